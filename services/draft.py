@@ -1,0 +1,151 @@
+"""Draft: per-session proposers (a small draft model, or prompt lookup).
+
+Interface of a draft session (as transformers' candidate generators):
+``propose(k)`` -> draft token ids and their draft distributions q,
+``accept(n, next_token)`` -> keep the first n proposed tokens plus the
+target's next token and roll the draft KV back to that prefix.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from services.errors import InvalidRequestError
+from services.kv import KVCache
+from services.loading import LoadedModel
+from services.prompt_lookup import find_candidates
+from services.runner import ModelRunner
+from services.sampling import SamplingParams, logits_to_probs, make_generator, sample
+from services.sessions import DEFAULT_MAX_KV_BYTES, DEFAULT_MAX_SESSIONS, SessionStore
+from services.validation import validate_num_draft_tokens, validate_prompt
+
+DRAFT_STREAM = 1  # random stream of draft samples (see sampling.make_generator)
+MODEL_DRAFTER = "model"
+PROMPT_LOOKUP_DRAFTER = "prompt_lookup"
+DRAFTERS = (MODEL_DRAFTER, PROMPT_LOOKUP_DRAFTER)
+TOKEN_BYTES = 8  # bookkeeping size of a token id in a prompt-lookup session
+
+
+@dataclass
+class DraftProposal:
+    token_ids: list[int]  # [k'] with k' <= k (prompt lookup may find fewer)
+    probs: torch.Tensor | None  # [k', vocab_size] draft distributions q; None = one-hot
+
+
+@dataclass
+class ModelDraftSession:
+    """A draft model's view of one sequence."""
+
+    runner: ModelRunner
+    tokens: list[int]  # accepted context: prompt + accepted tokens
+    params: SamplingParams
+    generator: torch.Generator
+    cache: KVCache
+    proposal: list[int] = field(default_factory=list)
+
+    @property
+    def nbytes(self) -> int:
+        return self.cache.nbytes
+
+    def propose(self, k: int) -> DraftProposal:
+        # the cache always lags the context by >= 1 token, so there are logits to sample from
+        uncached = torch.tensor(self.tokens[self.cache.seq_len :])
+        token_ids, q_rows = [], []
+        for _ in range(k):
+            logits = self.runner.forward(uncached, self.cache, last_only=True)  # [1, vocab_size]
+            q = logits_to_probs(logits, self.params)  # [1, vocab_size]
+            x = sample(q, self.generator)  # [1]
+            token_ids.append(int(x[0]))
+            q_rows.append(q[0])
+            uncached = x
+        self.proposal = token_ids
+        probs = None if self.params.greedy else torch.stack(q_rows)  # [k, vocab_size]
+        return DraftProposal(token_ids, probs)
+
+    def accept(self, n_matches: int, next_token: int) -> None:
+        accepted = _check_accept(self.proposal, n_matches)
+        context_len = len(self.tokens)
+        self.tokens += accepted + [int(next_token)]
+        # roll back: keep KV of the context and the accepted drafts only
+        self.cache.crop(min(self.cache.seq_len, context_len + n_matches))
+        self.proposal = []
+
+
+@dataclass
+class PromptLookupSession:
+    """N-gram matching against the prompt and the text so far (no model, no KV)."""
+
+    tokens: list[int]
+    proposal: list[int] = field(default_factory=list)
+
+    @property
+    def nbytes(self) -> int:
+        return TOKEN_BYTES * len(self.tokens)
+
+    def propose(self, k: int) -> DraftProposal:
+        self.proposal = find_candidates(self.tokens, k)
+        return DraftProposal(self.proposal, None)
+
+    def accept(self, n_matches: int, next_token: int) -> None:
+        self.tokens += _check_accept(self.proposal, n_matches) + [int(next_token)]
+        self.proposal = []
+
+
+def _check_accept(proposal: list[int], n_matches: int) -> list[int]:
+    if not 0 <= n_matches <= len(proposal):
+        raise InvalidRequestError(f"accepted {n_matches} tokens of a proposal of {len(proposal)}")
+    return proposal[:n_matches]
+
+
+class DraftEngine:
+    """Per-session drafting with a draft model and/or prompt lookup."""
+
+    def __init__(
+        self,
+        draft: LoadedModel | None,
+        *,
+        max_sessions: int = DEFAULT_MAX_SESSIONS,
+        max_kv_bytes: int = DEFAULT_MAX_KV_BYTES,
+        max_context: int | None = None,
+        vocab_size: int | None = None,
+    ):
+        self.draft = draft
+        self.runner = ModelRunner(draft) if draft is not None else None
+        self.max_context = max_context or (draft.max_context if draft else 2**31 - 1)
+        self.vocab_size = vocab_size or (draft.vocab_size if draft else 2**31 - 1)
+        self.sessions: SessionStore = SessionStore(kind="draft", max_sessions=max_sessions, max_kv_bytes=max_kv_bytes)
+
+    @property
+    def drafters(self) -> tuple[str, ...]:
+        return DRAFTERS if self.runner is not None else (PROMPT_LOOKUP_DRAFTER,)
+
+    def start(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams, drafter: str = MODEL_DRAFTER) -> None:
+        """Open a session; for the model drafter, prefill the draft KV over the prompt."""
+        if drafter not in self.drafters:
+            raise InvalidRequestError(f"unknown drafter {drafter!r}; this server offers {list(self.drafters)}")
+        params.validate()
+        ids = validate_prompt(prompt_ids, max_context=self.max_context, vocab_size=self.vocab_size)
+        if drafter == PROMPT_LOOKUP_DRAFTER:
+            self.sessions.put(request_id, PromptLookupSession(ids))
+            return
+        cache = self.runner.new_cache()
+        if len(ids) > 1:  # keep the last prompt token uncached: propose() starts from its logits
+            self.runner.forward(torch.tensor(ids[:-1]), cache, last_only=True)
+        generator = make_generator(params.seed, DRAFT_STREAM)
+        self.sessions.put(request_id, ModelDraftSession(self.runner, ids, params, generator, cache))
+
+    def propose(self, request_id: str, k: int) -> DraftProposal:
+        validate_num_draft_tokens(k)
+        session = self.sessions.get(request_id)
+        proposal = session.propose(k)
+        self.sessions.enforce_limits(keep=request_id)
+        return proposal
+
+    def accept(self, request_id: str, n_matches: int, next_token: int) -> None:
+        self.sessions.get(request_id).accept(n_matches, next_token)
+
+    def close(self, request_id: str) -> None:
+        self.sessions.pop(request_id)

@@ -1,0 +1,98 @@
+"""The KV cache the engine keeps per session, and its transferable payload.
+
+A ``KVPayload`` is what prefill hands to a verifier: per-layer key/value numpy
+arrays (the Ray object store hands numpy arrays over zero-copy on one node),
+the sequence length, and the fingerprint of the model that computed them. A
+verifier refuses a payload whose fingerprint is not its own model's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from transformers import DynamicCache
+
+from services.errors import ModelMismatchError
+
+
+@dataclass
+class KVPayload:
+    """KV cache of a prefix, in a form the Ray object store can hand over zero-copy."""
+
+    keys: list[np.ndarray]  # per layer: [num_kv_heads, seq_len, head_dim]
+    values: list[np.ndarray]  # per layer: [num_kv_heads, seq_len, head_dim]
+    seq_len: int
+    fingerprint: str  # model id + config hash + dtype of the model that computed it
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.keys) + sum(a.nbytes for a in self.values)
+
+
+class KVCache:
+    """A growing, croppable KV cache for one sequence (batch size 1)."""
+
+    def __init__(self, config):
+        self.config = config
+        self.cache = DynamicCache(config=config)
+
+    @property
+    def seq_len(self) -> int:
+        return self.cache.get_seq_length()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(
+            layer.keys.nbytes + layer.values.nbytes
+            for layer in self.cache.layers
+            if getattr(layer, "is_initialized", False) and layer.keys is not None
+        )
+
+    def crop(self, length: int) -> None:
+        """Roll back to the first ``length`` positions (rejected tokens are forgotten)."""
+        excess = self.seq_len - length
+        if excess < 0:
+            raise ValueError(f"cannot crop a cache of {self.seq_len} positions to {length}")
+        if excess:
+            self.cache.crop(-excess)
+
+    def export(self, fingerprint: str) -> KVPayload:
+        """Copy the cache out as contiguous numpy arrays (one copy, then zero-copy onward)."""
+        keys = [layer.keys[0].contiguous().numpy() for layer in self.cache.layers]
+        values = [layer.values[0].contiguous().numpy() for layer in self.cache.layers]
+        return KVPayload(keys=keys, values=values, seq_len=self.seq_len, fingerprint=fingerprint)
+
+    @classmethod
+    def from_payload(cls, config, payload: KVPayload, fingerprint: str) -> "KVCache":
+        """Adopt a payload's arrays without copying them; refuse KV from another model."""
+        if payload.fingerprint != fingerprint:
+            raise ModelMismatchError(
+                f"KV payload was computed by {payload.fingerprint!r}, this verifier runs {fingerprint!r}; "
+                "prefill and verify must serve the same target model"
+            )
+        kv_cache = cls(config)
+        if len(payload.keys) != len(kv_cache.cache.layers):
+            raise ModelMismatchError(
+                f"KV payload has {len(payload.keys)} layers, the model has {len(kv_cache.cache.layers)}"
+            )
+        for layer, k, v in zip(kv_cache.cache.layers, payload.keys, payload.values):
+            key_states = _as_tensor(k)[None]  # [1, num_kv_heads, seq_len, head_dim]
+            value_states = _as_tensor(v)[None]
+            layer.lazy_initialization(key_states, value_states)
+            # The arrays may be read-only object-store memory: adopt them as they
+            # are; the next update concatenates into a fresh tensor, never in place.
+            layer.keys, layer.values = key_states, value_states
+        return kv_cache
+
+
+def _as_tensor(array: np.ndarray) -> torch.Tensor:
+    if not array.flags.writeable:
+        # torch warns on read-only buffers; it never writes to them here (see above)
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.from_numpy(array)
+    return torch.from_numpy(array)

@@ -1,0 +1,131 @@
+"""Load Hugging Face causal LMs and check that a draft/target pair fits together."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+
+from services.errors import InvalidRequestError, ModelMismatchError
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DEFAULT_DTYPE = "float32"  # CPU kernels are fastest and exact in float32
+
+
+@dataclass
+class LoadedModel:
+    """A causal LM ready for inference, with what the engine needs to know about it."""
+
+    model: PreTrainedModel
+    tokenizer: Any | None  # None for token-id-only models (the tiny test pair)
+    model_id: str
+    dtype: str
+    fingerprint: str  # model id + config hash + dtype: KV is only valid for the same fingerprint
+
+    @property
+    def config(self):
+        return self.model.config
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.model.get_output_embeddings().weight.shape[0])
+
+    @property
+    def max_context(self) -> int:
+        return int(getattr(self.config, "max_position_embeddings", 2048))
+
+    @property
+    def eos_token_ids(self) -> set[int]:
+        eos = getattr(self.model.generation_config, "eos_token_id", None)
+        if eos is None:
+            eos = getattr(self.config, "eos_token_id", None)
+        if eos is None:
+            return set()
+        return set(eos) if isinstance(eos, (list, tuple)) else {int(eos)}
+
+
+def model_fingerprint(model_id: str, config, dtype: str) -> str:
+    """Identify a model for KV compatibility: id, a hash of its config, its dtype."""
+    config_json = json.dumps(config.to_diff_dict(), sort_keys=True, default=str)
+    config_hash = hashlib.sha256(config_json.encode()).hexdigest()[:16]
+    return f"{model_id}:{config_hash}:{dtype}"
+
+
+def set_num_threads(num_threads: int | None) -> None:
+    """Set torch's intra-op thread count (process-wide) when given."""
+    if num_threads is not None:
+        if num_threads < 1:
+            raise InvalidRequestError(f"num_threads must be >= 1, got {num_threads}")
+        torch.set_num_threads(num_threads)
+
+
+def load_causal_lm(
+    path: str | Path,
+    *,
+    dtype: str = DEFAULT_DTYPE,
+    num_threads: int | None = None,
+    model_id: str | None = None,
+) -> LoadedModel:
+    """Load any Hugging Face causal-LM folder (AutoModelForCausalLM / AutoTokenizer)."""
+    path = Path(path)
+    if dtype not in DTYPES:
+        raise InvalidRequestError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(
+            f"{path} is not a Hugging Face model folder (no config.json); "
+            "run `splitspec models prepare` for the default pair"
+        )
+    set_num_threads(num_threads)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype]).eval()
+    model.requires_grad_(False)
+    tokenizer = AutoTokenizer.from_pretrained(path) if _has_tokenizer(path) else None
+    model_id = model_id or path.name
+    logger.info("loaded %s (%s, %d layers) from %s", model_id, dtype, model.config.num_hidden_layers, path)
+    return LoadedModel(
+        model=model,
+        tokenizer=tokenizer,
+        model_id=model_id,
+        dtype=dtype,
+        fingerprint=model_fingerprint(model_id, model.config, dtype),
+    )
+
+
+def wrap_model(model: PreTrainedModel, *, model_id: str, tokenizer=None, dtype: str = DEFAULT_DTYPE) -> LoadedModel:
+    """Wrap an in-memory model (tests, freshly built pairs) like ``load_causal_lm`` does."""
+    model = model.eval()
+    model.requires_grad_(False)
+    return LoadedModel(model, tokenizer, model_id, dtype, model_fingerprint(model_id, model.config, dtype))
+
+
+def _has_tokenizer(path: Path) -> bool:
+    return any((path / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
+
+
+def check_pair(target: LoadedModel, draft: LoadedModel) -> None:
+    """Refuse a draft model whose token ids mean something else than the target's."""
+    names = f"draft model {draft.model_id!r} and target model {target.model_id!r}"
+    if draft.vocab_size != target.vocab_size:
+        raise ModelMismatchError(
+            f"{names} have different vocabulary sizes ({draft.vocab_size} vs {target.vocab_size}); "
+            "speculative decoding needs a drafter that shares the target's tokenizer"
+        )
+    if (target.tokenizer is None) != (draft.tokenizer is None):
+        raise ModelMismatchError(f"{names}: only one of them has a tokenizer")
+    if target.tokenizer is not None and target.tokenizer.get_vocab() != draft.tokenizer.get_vocab():
+        raise ModelMismatchError(
+            f"{names} have different tokenizers (same size, different token ids); "
+            "use a drafter trained with the target's tokenizer"
+        )
+
+
+def config_of(path: str | Path):
+    """Read a model folder's config without loading weights."""
+    return AutoConfig.from_pretrained(path)

@@ -1,0 +1,38 @@
+"""Prefill: run the target over the prompt, sample the first token, export the KV."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from services.kv import KVPayload
+from services.loading import LoadedModel
+from services.runner import ModelRunner
+from services.sampling import SamplingParams, logits_to_probs, make_generator, sample
+from services.validation import validate_prompt
+
+PREFILL_STREAM = 0  # random stream of the first token (see sampling.make_generator)
+
+
+@dataclass
+class PrefillResult:
+    first_token: int  # sampled from the target's distribution after the prompt
+    payload: KVPayload  # KV of the prompt positions, to hand to a verifier
+
+
+class PrefillEngine:
+    """Stateless prefill of the target model."""
+
+    def __init__(self, target: LoadedModel):
+        self.target = target
+        self.runner = ModelRunner(target)
+
+    def prefill(self, prompt_ids: Sequence[int], params: SamplingParams) -> PrefillResult:
+        params.validate()
+        ids = validate_prompt(prompt_ids, max_context=self.target.max_context, vocab_size=self.target.vocab_size)
+        cache = self.runner.new_cache()
+        logits = self.runner.forward(torch.tensor(ids), cache, last_only=True)  # [1, vocab_size]
+        first_token = int(sample(logits_to_probs(logits, params), make_generator(params.seed, PREFILL_STREAM))[0])
+        return PrefillResult(first_token=first_token, payload=cache.export(self.target.fingerprint))

@@ -1,0 +1,96 @@
+"""Bounded per-request session state: at most N sessions and B bytes of KV.
+
+When a new session does not fit, the least recently used (oldest idle)
+sessions are evicted. Touching an evicted or unknown session raises
+``SessionNotFoundError``, never a crash or a silent wrong answer.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from typing import Generic, Protocol, TypeVar
+
+from services.errors import CapacityError, SessionNotFoundError
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_SESSIONS = 64
+DEFAULT_MAX_KV_BYTES = 4 * 2**30  # 4 GiB per engine
+# How many evicted ids to remember so that a late call says "evicted", not "unknown".
+EVICTED_MEMORY = 1024
+
+
+class HasKV(Protocol):
+    @property
+    def nbytes(self) -> int: ...
+
+
+S = TypeVar("S", bound=HasKV)
+
+
+class SessionStore(Generic[S]):
+    """An LRU map from request id to session state with a session and a byte budget."""
+
+    def __init__(self, *, kind: str, max_sessions: int = DEFAULT_MAX_SESSIONS, max_kv_bytes: int = DEFAULT_MAX_KV_BYTES):
+        if max_sessions < 1 or max_kv_bytes < 1:
+            raise ValueError("max_sessions and max_kv_bytes must be positive")
+        self.kind = kind
+        self.max_sessions = max_sessions
+        self.max_kv_bytes = max_kv_bytes
+        self._sessions: OrderedDict[str, S] = OrderedDict()
+        self._evicted: OrderedDict[str, None] = OrderedDict()
+        self.evictions = 0
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._sessions
+
+    @property
+    def kv_bytes(self) -> int:
+        return sum(s.nbytes for s in self._sessions.values())
+
+    def put(self, request_id: str, session: S) -> None:
+        """Add a session, evicting the oldest idle ones until it fits."""
+        if request_id in self._sessions:
+            raise CapacityError(f"{self.kind} session {request_id!r} already exists; request ids must be unique")
+        if session.nbytes > self.max_kv_bytes:
+            raise CapacityError(
+                f"{self.kind} session {request_id!r} needs {session.nbytes} bytes of KV, "
+                f"more than the engine's limit of {self.max_kv_bytes}"
+            )
+        self._sessions[request_id] = session
+        self._evicted.pop(request_id, None)
+        self.enforce_limits(keep=request_id)
+
+    def get(self, request_id: str) -> S:
+        """The session for ``request_id``, marked as most recently used."""
+        try:
+            session = self._sessions[request_id]
+        except KeyError:
+            if request_id in self._evicted:
+                raise SessionNotFoundError(
+                    f"{self.kind} session {request_id!r} was evicted to make room for newer requests; retry the request"
+                ) from None
+            raise SessionNotFoundError(f"{self.kind} session {request_id!r} is unknown or already closed") from None
+        self._sessions.move_to_end(request_id)
+        return session
+
+    def pop(self, request_id: str) -> S | None:
+        """Remove a session; closing twice or closing an evicted session is fine."""
+        return self._sessions.pop(request_id, None)
+
+    def enforce_limits(self, keep: str | None = None) -> None:
+        """Evict least recently used sessions (never ``keep``) until within both budgets."""
+        while len(self._sessions) > self.max_sessions or self.kv_bytes > self.max_kv_bytes:
+            victim = next((rid for rid in self._sessions if rid != keep), None)
+            if victim is None:
+                break
+            self._sessions.pop(victim)
+            self._evicted[victim] = None
+            if len(self._evicted) > EVICTED_MEMORY:
+                self._evicted.popitem(last=False)
+            self.evictions += 1
+            logger.warning("evicted idle %s session %s", self.kind, victim)

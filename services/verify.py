@@ -1,0 +1,96 @@
+"""Verify: the target checks k draft tokens in one forward pass and rolls back on rejection."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from services.errors import InvalidRequestError
+from services.kv import KVCache, KVPayload
+from services.loading import LoadedModel
+from services.runner import ModelRunner
+from services.sampling import SamplingParams, logits_to_probs, make_generator, speculative_sample
+from services.sessions import DEFAULT_MAX_KV_BYTES, DEFAULT_MAX_SESSIONS, SessionStore
+from services.validation import MAX_DRAFT_TOKENS
+
+VERIFY_STREAM = 2  # random stream of accept/reject draws (see sampling.make_generator)
+
+
+@dataclass
+class VerifySession:
+    cache: KVCache  # KV of every accepted token except `pending`
+    pending: int  # last emitted token, not yet in the target's KV
+    params: SamplingParams
+    generator: torch.Generator
+
+    @property
+    def nbytes(self) -> int:
+        return self.cache.nbytes
+
+    @property
+    def seq_len(self) -> int:
+        """Accepted tokens so far, prompt included."""
+        return self.cache.seq_len + 1
+
+
+@dataclass(frozen=True)
+class VerifyResult:
+    token_ids: list[int]  # accepted draft tokens + the recovered or bonus token
+    n_matches: int  # accepted draft tokens
+    accepted: list[bool]  # per draft position
+
+
+class VerifyEngine:
+    """Per-session verification of the target model."""
+
+    def __init__(self, target: LoadedModel, *, max_sessions: int = DEFAULT_MAX_SESSIONS, max_kv_bytes: int = DEFAULT_MAX_KV_BYTES):
+        self.target = target
+        self.runner = ModelRunner(target)
+        self.sessions: SessionStore[VerifySession] = SessionStore(
+            kind="verify", max_sessions=max_sessions, max_kv_bytes=max_kv_bytes
+        )
+
+    def open(self, request_id: str, payload: KVPayload, first_token: int, params: SamplingParams) -> None:
+        """Start a session from a prefill's KV payload (refused if another model computed it)."""
+        params.validate()
+        cache = KVCache.from_payload(self.target.model.config, payload, self.target.fingerprint)
+        generator = make_generator(params.seed, VERIFY_STREAM)
+        self.sessions.put(request_id, VerifySession(cache, int(first_token), params, generator))
+
+    def verify(
+        self,
+        request_id: str,
+        draft_token_ids: list[int],  # [k]
+        draft_probs: torch.Tensor | None,  # [k, vocab_size]; None = one-hot (greedy or deterministic drafter)
+    ) -> VerifyResult:
+        """Score ``pending + draft`` in one pass, accept a prefix, roll back the rest."""
+        session = self.sessions.get(request_id)
+        k = len(draft_token_ids)
+        if k > MAX_DRAFT_TOKENS:
+            raise InvalidRequestError(f"got {k} draft tokens, at most {MAX_DRAFT_TOKENS} are allowed")
+        context = self.target.max_context - session.seq_len
+        if k >= context:
+            raise InvalidRequestError(f"{k} draft tokens do not fit in the remaining context of {context}")
+        draft = torch.tensor(draft_token_ids, dtype=torch.long)  # [k]
+        start = session.cache.seq_len
+        # 1. one target pass over [pending, d_1 .. d_k] gives p_1 .. p_{k+1}
+        logits = self.runner.forward(torch.cat([torch.tensor([session.pending]), draft]), session.cache)
+        p = logits_to_probs(logits, session.params)  # [k + 1, vocab_size]
+        q = draft_probs if draft_probs is not None else _one_hot(draft, p.shape[-1])  # [k, vocab_size]
+        # 2. exact accept / reject (services.sampling)
+        result = speculative_sample(draft, q, p, session.generator)
+        # 3. keep KV of pending + accepted drafts; the new pending token is not in the KV yet
+        session.cache.crop(start + 1 + result.n_matches)
+        session.pending = result.token_ids[-1]
+        self.sessions.enforce_limits(keep=request_id)
+        return VerifyResult(result.token_ids, result.n_matches, result.accepted)
+
+    def close(self, request_id: str) -> None:
+        self.sessions.pop(request_id)
+
+
+def _one_hot(token_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:  # [k] -> [k, vocab_size]
+    q = torch.zeros(token_ids.shape[0], vocab_size)
+    q[torch.arange(token_ids.shape[0]), token_ids] = 1.0
+    return q
