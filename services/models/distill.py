@@ -1,0 +1,221 @@
+"""Derive a drafter from the target: truncate to its first layers, then distil.
+
+Recipe (seeded, reproducible):
+1. the target answers instruction / code prompts greedily (batched ``generate``);
+2. one teacher-forced target pass records its top-K next-token log-probs at
+   every response position;
+3. the student — the target's first ``num_layers`` decoder layers, its final
+   norm and its (tied, frozen) embeddings / LM head — is trained to minimise
+   cross-entropy to the renormalised teacher top-K (forward KL up to a constant).
+Generated data is cached, so changing the training recipe does not regenerate it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+from transformers import LlamaForCausalLM
+
+from services.models.prompts import held_out_prompts, train_prompts
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DistillConfig:
+    num_layers: int = 4  # decoder layers kept from the target
+    seed: int = 0
+    num_prompts: int = 480  # training prompts answered by the target
+    max_new_tokens: int = 160  # per answer
+    gen_batch_size: int = 24
+    teacher_top_k: int = 32  # teacher log-probs kept per position
+    epochs: int = 3
+    batch_size: int = 8  # sequences per optimiser step
+    lr: float = 1e-3
+    warmup_steps: int = 20
+    weight_decay: float = 0.0
+    num_threads: int = 2
+
+    def data_key(self) -> str:
+        fields = (self.seed, self.num_prompts, self.max_new_tokens, self.teacher_top_k)
+        return hashlib.sha256(json.dumps(fields).encode()).hexdigest()[:12]
+
+
+def chat_ids(tokenizer, prompt: str) -> list[int]:
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+@torch.inference_mode()
+def generate_teacher_data(target, tokenizer, cfg: DistillConfig) -> dict:
+    """Greedy target answers plus the target's top-K log-probs at each answer position.
+
+    The log-probs come from the logits ``generate`` already computed, so the
+    teacher costs no extra forward pass.
+    """
+    prompts = train_prompts(cfg.seed)[: cfg.num_prompts]
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    eos = target.generation_config.eos_token_id
+    eos = set(eos) if isinstance(eos, (list, tuple)) else {eos}
+    data = {"sequences": [], "masks": [], "top_idx": [], "top_logp": []}
+    for start in tqdm(range(0, len(prompts), cfg.gen_batch_size), desc="target answers", unit="batch"):
+        batch = [chat_ids(tokenizer, p) for p in prompts[start : start + cfg.gen_batch_size]]
+        width = max(map(len, batch))
+        input_ids = torch.tensor([[pad] * (width - len(b)) + b for b in batch])  # [B, width], left padded
+        attention = torch.tensor([[0] * (width - len(b)) + [1] * len(b) for b in batch])
+        out = target.generate(
+            input_ids=input_ids, attention_mask=attention, max_new_tokens=cfg.max_new_tokens,
+            do_sample=False, pad_token_id=pad, output_logits=True, return_dict_in_generate=True,
+        )
+        answers = out.sequences[:, width:]  # [B, T]
+        logits = torch.stack(out.logits, dim=1).float()  # [B, T, vocab_size]
+        values, indices = torch.topk(torch.log_softmax(logits, dim=-1), cfg.teacher_top_k, dim=-1)  # [B, T, K]
+        for b, prompt in enumerate(batch):
+            answer = answers[b].tolist()
+            end = next((i + 1 for i, t in enumerate(answer) if t in eos), len(answer))
+            mask = torch.zeros(len(prompt) + end, dtype=torch.bool)
+            mask[len(prompt) - 1 : len(prompt) - 1 + end] = True  # positions that predict an answer token
+            data["sequences"].append(torch.tensor(prompt + answer[:end]))
+            data["masks"].append(mask)
+            data["top_idx"].append(indices[b, :end].int())
+            data["top_logp"].append(values[b, :end].half())
+    return data
+
+
+def truncated_student(target, num_layers: int) -> LlamaForCausalLM:
+    """The target's first ``num_layers`` layers + final norm + tied embeddings/head."""
+    config = target.config.__class__.from_dict(target.config.to_dict())
+    config.num_hidden_layers = num_layers
+    if hasattr(config, "layer_types") and config.layer_types:
+        config.layer_types = config.layer_types[:num_layers]
+    student = LlamaForCausalLM(config).float()
+    state = {k: v for k, v in target.state_dict().items() if not k.startswith("model.layers.")}
+    state.update({k: v for k, v in target.state_dict().items() if _layer_index(k) is not None and _layer_index(k) < num_layers})
+    student.load_state_dict(state, strict=False)
+    student.tie_weights()
+    return student
+
+
+def _layer_index(key: str) -> int | None:
+    parts = key.split(".")
+    return int(parts[2]) if key.startswith("model.layers.") else None
+
+
+def trainable_state(student) -> dict[str, torch.Tensor]:
+    """What differs from the target: the decoder layers and the final norm."""
+    return {k: v for k, v in student.state_dict().items() if k.startswith("model.layers.") or k == "model.norm.weight"}
+
+
+def _batches(data: dict, batch_size: int, generator: torch.Generator):
+    order = torch.randperm(len(data["sequences"]), generator=generator).tolist()
+    for start in range(0, len(order), batch_size):
+        yield order[start : start + batch_size]
+
+
+def _collate(data: dict, index: list[int], pad: int):
+    width = max(len(data["sequences"][i]) for i in index)
+    B, K = len(index), data["top_idx"][index[0]].shape[-1]
+    input_ids = torch.full((B, width), pad, dtype=torch.long)  # [B, L] right padded
+    attention = torch.zeros((B, width), dtype=torch.long)
+    mask = torch.zeros((B, width), dtype=torch.bool)
+    top_idx = torch.zeros((B, width, K), dtype=torch.long)
+    top_logp = torch.zeros((B, width, K))
+    for row, i in enumerate(index):
+        n = len(data["sequences"][i])
+        input_ids[row, :n] = data["sequences"][i]
+        attention[row, :n] = 1
+        mask[row, :n] = data["masks"][i]
+        top_idx[row, :n][data["masks"][i]] = data["top_idx"][i].long()
+        top_logp[row, :n][data["masks"][i]] = data["top_logp"][i].float()
+    return input_ids, attention, mask, top_idx, top_logp
+
+
+def distil(student, data: dict, cfg: DistillConfig, pad: int) -> list[float]:
+    """Train the student's layers and norm to match the teacher's top-K distributions."""
+    student.train()
+    student.model.embed_tokens.requires_grad_(False)
+    params = [p for n, p in student.named_parameters() if n.startswith("model.layers.") or n == "model.norm.weight"]
+    for p in params:
+        p.requires_grad_(True)
+    optim = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    steps_per_epoch = math.ceil(len(data["sequences"]) / cfg.batch_size)
+    total = steps_per_epoch * cfg.epochs
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optim, lambda s: min(1.0, (s + 1) / cfg.warmup_steps) * 0.5 * (1 + math.cos(math.pi * min(s, total) / total))
+    )
+    generator = torch.Generator().manual_seed(cfg.seed)
+    losses = []
+    bar = tqdm(total=total, desc="distil drafter", unit="step")
+    for _ in range(cfg.epochs):
+        for index in _batches(data, cfg.batch_size, generator):
+            input_ids, attention, mask, top_idx, top_logp = _collate(data, index, pad)
+            logits = student(input_ids=input_ids, attention_mask=attention).logits  # [B, L, vocab_size]
+            logq = torch.log_softmax(logits[mask].float(), dim=-1)  # [N, vocab_size]
+            teacher = torch.softmax(top_logp[mask], dim=-1)  # [N, K] renormalised top-K
+            loss = -(teacher * logq.gather(-1, top_idx[mask])).sum(-1).mean()
+            optim.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            optim.step()
+            schedule.step()
+            losses.append(loss.item())
+            bar.update(1)
+            bar.set_postfix(loss=f"{sum(losses[-20:]) / len(losses[-20:]):.3f}")
+    bar.close()
+    student.eval()
+    student.requires_grad_(False)
+    return losses
+
+
+@torch.inference_mode()
+def greedy_agreement(target, student, tokenizer, prompts: list[str], max_new_tokens: int = 64) -> float:
+    """Teacher-forced top-1 agreement of student and target on the target's greedy answers."""
+    hits = total = 0
+    for prompt in prompts:
+        ids = torch.tensor([chat_ids(tokenizer, prompt)])
+        seq = target.generate(input_ids=ids, max_new_tokens=max_new_tokens, do_sample=False)
+        P = ids.shape[1]
+        t_top = target(input_ids=seq).logits[0, P - 1 : -1].argmax(-1)
+        s_top = student(input_ids=seq).logits[0, P - 1 : -1].argmax(-1)
+        hits += int((t_top == s_top).sum())
+        total += t_top.numel()
+    return hits / max(total, 1)
+
+
+def run(target, tokenizer, cfg: DistillConfig, cache_dir: Path) -> tuple[LlamaForCausalLM, dict]:
+    """Full recipe; returns the trained student and a report."""
+    torch.manual_seed(cfg.seed)
+    torch.set_num_threads(cfg.num_threads)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    data_path = cache_dir / f"teacher-data-{cfg.data_key()}.pt"
+    t0 = time.time()
+    if data_path.is_file():
+        data = torch.load(data_path)
+    else:
+        data = generate_teacher_data(target, tokenizer, cfg)
+        torch.save(data, data_path)
+    t_data = time.time() - t0
+    student = truncated_student(target, cfg.num_layers)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    losses = distil(student, data, cfg, pad)
+    t_train = time.time() - t0 - t_data
+    agreement = greedy_agreement(target, student, tokenizer, held_out_prompts())
+    report = {
+        "config": asdict(cfg),
+        "answer_tokens": int(sum(m.sum() for m in data["masks"])),
+        "data_seconds": round(t_data, 1),
+        "train_seconds": round(t_train, 1),
+        "final_loss": round(sum(losses[-20:]) / max(len(losses[-20:]), 1), 4),
+        "held_out_greedy_agreement": round(agreement, 4),
+    }
+    logger.info("drafter distilled: %s", report)
+    return student, report

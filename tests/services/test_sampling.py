@@ -1,0 +1,163 @@
+"""The exact speculative sampler reproduces the target distribution."""
+
+import math
+
+import pytest
+import torch
+from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+from services.errors import InvalidRequestError
+from services.sampling import SamplingParams, logits_to_probs, make_generator, sample, speculative_sample
+
+DRAWS = 12_000
+# z for a one-sided 1e-4 false-alarm rate per case (many parametrised cases run)
+CHI2_Z = 3.719
+MIN_EXPECTED = 5  # chi-square needs >= 5 expected counts per bin
+
+
+def chi2_threshold(df: int, z: float = CHI2_Z) -> float:
+    """Wilson–Hilferty approximation of the chi-square quantile."""
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+def assert_follows(counts: torch.Tensor, probs: torch.Tensor) -> None:
+    """Chi-square goodness of fit of ``counts`` [V] against ``probs`` [V]."""
+    n = counts.sum().item()
+    expected = probs * n
+    big = expected >= MIN_EXPECTED
+    assert counts[probs == 0].sum() == 0, "sampled a token of probability zero"
+    obs = torch.cat([counts[big].double(), counts[~big].sum().double()[None]])
+    exp = torch.cat([expected[big].double(), expected[~big].sum().double()[None]])
+    keep = exp > 0
+    obs, exp = obs[keep], exp[keep]
+    if len(obs) < 2:
+        return
+    stat = (((obs - exp) ** 2) / exp).sum().item()
+    assert stat < chi2_threshold(len(obs) - 1), f"chi2={stat:.1f} over {len(obs) - 1} dof"
+
+
+CASES = [
+    # vocab, k, temperature, top_k, top_p
+    (8, 1, 1.0, 0, 1.0),
+    (8, 3, 0.7, 0, 1.0),
+    (16, 2, 1.3, 0, 1.0),
+    (16, 5, 1.0, 5, 1.0),
+    (32, 4, 0.8, 0, 0.9),
+    (64, 3, 1.0, 10, 0.8),
+    (64, 5, 1.5, 0, 0.95),
+    (64, 1, 0.5, 20, 1.0),
+]
+
+
+@pytest.mark.parametrize("vocab,k,temperature,top_k,top_p", CASES)
+def test_each_position_follows_target(vocab, k, temperature, top_k, top_p):
+    """Token j of a step, given the step reached j, follows the warped target p_j (k = 1..5, V = 8..64)."""
+    gen = torch.Generator().manual_seed(1000 * vocab + k)
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+    p = logits_to_probs(torch.randn(k + 1, vocab, generator=gen) * 2, params)  # [k + 1, V]
+    q = logits_to_probs(torch.randn(k, vocab, generator=gen) * 2, params)  # [k, V]
+    counts = torch.zeros(k + 1, vocab, dtype=torch.long)
+    for _ in range(DRAWS):
+        draft = sample(q, gen)  # [k]
+        result = speculative_sample(draft, q, p, gen)
+        for j, token in enumerate(result.token_ids):
+            counts[j, token] += 1
+    for j in range(k + 1):
+        if counts[j].sum() >= 200:
+            assert_follows(counts[j], p[j])
+
+
+def test_acceptance_rate_matches_theory():
+    """P(accept x_1) = sum_x min(p(x), q(x)) (Leviathan et al., Lemma 3.3)."""
+    gen = torch.Generator().manual_seed(7)
+    params = SamplingParams(temperature=1.0)
+    p = logits_to_probs(torch.randn(2, 16, generator=gen), params)
+    q = logits_to_probs(torch.randn(1, 16, generator=gen), params)
+    accepted = sum(speculative_sample(sample(q, gen), q, p, gen).n_matches for _ in range(DRAWS))
+    alpha = torch.minimum(p[0], q[0]).sum().item()
+    sd = math.sqrt(alpha * (1 - alpha) / DRAWS)
+    assert abs(accepted / DRAWS - alpha) < 4.5 * sd
+
+
+def one_hot(ids, vocab):
+    return torch.nn.functional.one_hot(torch.tensor(ids), vocab).float()
+
+
+def test_greedy_accepts_matching_prefix_then_target_argmax():
+    """Greedy: accept while draft == target argmax, then emit the target's argmax."""
+    p = one_hot([4, 5, 6, 7], 10)  # target argmaxes at 4 positions
+    result = speculative_sample(torch.tensor([4, 5, 1]), one_hot([4, 5, 1], 10), p, make_generator(0, 0))
+    assert result.token_ids == [4, 5, 6]
+    assert result.n_matches == 2
+    assert result.accepted == [True, True, False]
+
+
+def test_all_accepted_gives_bonus_token():
+    p = one_hot([1, 2, 3], 5)
+    result = speculative_sample(torch.tensor([1, 2]), one_hot([1, 2], 5), p, make_generator(0, 0))
+    assert result.token_ids == [1, 2, 3]
+    assert result.n_matches == 2
+
+
+def test_no_draft_is_a_plain_sample():
+    p = one_hot([3], 5)
+    result = speculative_sample(torch.zeros(0, dtype=torch.long), torch.zeros(0, 5), p, make_generator(0, 0))
+    assert result.token_ids == [3] and result.n_matches == 0 and result.accepted == []
+
+
+def test_zero_target_probability_always_rejects_and_recovers_from_residual():
+    """p(x) = 0 rejects x; the recovered token comes from norm(max(p - q, 0))."""
+    p = torch.tensor([[0.0, 0.5, 0.5, 0.0], [0.25, 0.25, 0.25, 0.25]])
+    q = torch.tensor([[0.0, 0.5, 0.0, 0.5]])
+    gen = make_generator(3, 0)
+    for _ in range(200):
+        result = speculative_sample(torch.tensor([3]), q, p, gen)
+        assert result.n_matches == 0
+        assert result.token_ids == [2]  # residual is one-hot at token 2
+
+
+def test_equal_distributions_always_accept():
+    p = torch.tensor([[0.2, 0.3, 0.5], [0.1, 0.1, 0.8]])
+    gen = make_generator(5, 0)
+    for token in (0, 1, 2):
+        assert speculative_sample(torch.tensor([token]), p[:1], p, gen).n_matches == 1
+
+
+def test_seed_reproduces_samples():
+    params = SamplingParams(temperature=1.0, seed=42)
+    probs = logits_to_probs(torch.randn(1, 50), params)
+    a = [int(sample(probs, make_generator(42, 1))[0]) for _ in range(5)]
+    assert len(set(a)) == 1
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(0.7, 0, 1.0), (1.0, 5, 1.0), (1.2, 0, 0.8), (0.9, 8, 0.9)])
+def test_warping_matches_transformers(temperature, top_k, top_p):
+    """Temperature, top-k, top-p give the same distribution as transformers' warpers."""
+    logits = torch.randn(3, 40, generator=torch.Generator().manual_seed(1))
+    ref = TemperatureLogitsWarper(temperature)(None, logits.clone())
+    if top_k:
+        ref = TopKLogitsWarper(top_k)(None, ref)
+    if top_p < 1:
+        ref = TopPLogitsWarper(top_p)(None, ref)
+    ours = logits_to_probs(logits, SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p))
+    torch.testing.assert_close(ours, torch.softmax(ref, dim=-1), atol=1e-6, rtol=1e-5)
+
+
+def test_greedy_is_one_hot_argmax():
+    logits = torch.tensor([[0.1, 3.0, -1.0]])
+    assert logits_to_probs(logits, SamplingParams()).tolist() == [[0.0, 1.0, 0.0]]
+
+
+@pytest.mark.parametrize(
+    "kwargs,fragment",
+    [
+        ({"temperature": -0.1}, "temperature must be >= 0"),
+        ({"temperature": float("nan")}, "finite"),
+        ({"top_p": 0.0}, "top_p must be in (0, 1]"),
+        ({"top_p": 1.5}, "top_p must be in (0, 1]"),
+        ({"top_k": -1}, "top_k"),
+    ],
+)
+def test_invalid_params_raise_typed_error(kwargs, fragment):
+    with pytest.raises(InvalidRequestError, match=fragment.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[").replace("]", r"\]")):
+        SamplingParams(**kwargs).validate()
