@@ -94,6 +94,8 @@ def speculative_decode(
     try:
         # 2. hand the prefill KV to the verifier
         verify.open(request_id, result.payload, result.first_token, params)
+        if draft is not None:
+            draft.accept(request_id, 0, result.first_token)  # the drafter continues from prefill's token
         generated = 0
         step = StepOutput([result.first_token])
         while True:
