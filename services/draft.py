@@ -17,7 +17,7 @@ from services.errors import InvalidRequestError
 from services.kv import KVCache
 from services.loading import LoadedModel
 from services.prompt_lookup import find_candidates
-from services.runner import ModelRunner
+from services.runner import make_runner
 from services.sampling import SamplingParams, logits_to_probs, make_generator, sample
 from services.sessions import DEFAULT_MAX_KV_BYTES, DEFAULT_MAX_SESSIONS, SessionStore
 from services.validation import validate_num_draft_tokens, validate_prompt
@@ -39,11 +39,11 @@ class DraftProposal:
 class ModelDraftSession:
     """A draft model's view of one sequence."""
 
-    runner: ModelRunner
+    runner: object  # ModelRunner or FastLlamaRunner
     tokens: list[int]  # accepted context: prompt + accepted tokens
     params: SamplingParams
     generator: torch.Generator
-    cache: KVCache
+    cache: object  # KVCache or DenseKVCache
     proposal: list[int] = field(default_factory=list)
 
     @property
@@ -113,7 +113,7 @@ class DraftEngine:
         vocab_size: int | None = None,
     ):
         self.draft = draft
-        self.runner = ModelRunner(draft) if draft is not None else None
+        self.runner = make_runner(draft) if draft is not None else None
         self.max_context = max_context or (draft.max_context if draft else 2**31 - 1)
         self.vocab_size = vocab_size or (draft.vocab_size if draft else 2**31 - 1)
         self.sessions: SessionStore = SessionStore(kind="draft", max_sessions=max_sessions, max_kv_bytes=max_kv_bytes)

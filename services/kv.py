@@ -31,6 +31,15 @@ class KVPayload:
         return sum(a.nbytes for a in self.keys) + sum(a.nbytes for a in self.values)
 
 
+def check_fingerprint(payload: KVPayload, fingerprint: str) -> None:
+    """Refuse KV computed by another model than the one about to use it."""
+    if payload.fingerprint != fingerprint:
+        raise ModelMismatchError(
+            f"KV payload was computed by {payload.fingerprint!r}, this verifier runs {fingerprint!r}; "
+            "prefill and verify must serve the same target model"
+        )
+
+
 class KVCache:
     """A growing, croppable KV cache for one sequence (batch size 1)."""
 
@@ -67,19 +76,15 @@ class KVCache:
     @classmethod
     def from_payload(cls, config, payload: KVPayload, fingerprint: str) -> "KVCache":
         """Adopt a payload's arrays without copying them; refuse KV from another model."""
-        if payload.fingerprint != fingerprint:
-            raise ModelMismatchError(
-                f"KV payload was computed by {payload.fingerprint!r}, this verifier runs {fingerprint!r}; "
-                "prefill and verify must serve the same target model"
-            )
+        check_fingerprint(payload, fingerprint)
         kv_cache = cls(config)
         if len(payload.keys) != len(kv_cache.cache.layers):
             raise ModelMismatchError(
                 f"KV payload has {len(payload.keys)} layers, the model has {len(kv_cache.cache.layers)}"
             )
         for layer, k, v in zip(kv_cache.cache.layers, payload.keys, payload.values):
-            key_states = _as_tensor(k)[None]  # [1, num_kv_heads, seq_len, head_dim]
-            value_states = _as_tensor(v)[None]
+            key_states = as_tensor(k)[None]  # [1, num_kv_heads, seq_len, head_dim]
+            value_states = as_tensor(v)[None]
             layer.lazy_initialization(key_states, value_states)
             # The arrays may be read-only object-store memory: adopt them as they
             # are; the next update concatenates into a fresh tensor, never in place.
@@ -87,7 +92,8 @@ class KVCache:
         return kv_cache
 
 
-def _as_tensor(array: np.ndarray) -> torch.Tensor:
+def as_tensor(array: np.ndarray) -> torch.Tensor:
+    """A tensor view of ``array``; read-only arrays (object-store memory) are only ever read."""
     if not array.flags.writeable:
         # torch warns on read-only buffers; it never writes to them here (see above)
         import warnings

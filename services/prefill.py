@@ -9,7 +9,7 @@ import torch
 
 from services.kv import KVPayload
 from services.loading import LoadedModel
-from services.runner import ModelRunner
+from services.runner import make_runner
 from services.sampling import SamplingParams, logits_to_probs, make_generator, sample
 from services.validation import validate_prompt
 
@@ -27,7 +27,7 @@ class PrefillEngine:
 
     def __init__(self, target: LoadedModel):
         self.target = target
-        self.runner = ModelRunner(target)
+        self.runner = make_runner(target)
 
     def prefill(self, prompt_ids: Sequence[int], params: SamplingParams) -> PrefillResult:
         params.validate()

@@ -1,15 +1,20 @@
-"""Run a causal LM one chunk at a time against a ``KVCache``."""
+"""Run a causal LM one chunk at a time against a per-sequence KV cache.
+
+``make_runner`` picks the compact Llama forward (``fast_llama``) when the
+model is a plain Llama, and transformers' own forward for anything else.
+Both give the same interface: ``new_cache``, ``import_payload``, ``forward``.
+"""
 
 from __future__ import annotations
 
 import torch
 
-from services.kv import KVCache
+from services.kv import KVCache, KVPayload
 from services.loading import LoadedModel
 
 
 class ModelRunner:
-    """Forward passes of one loaded model, appending to a per-sequence KV cache."""
+    """Generic path: transformers' forward with a ``DynamicCache``."""
 
     def __init__(self, loaded: LoadedModel):
         self.loaded = loaded
@@ -17,6 +22,9 @@ class ModelRunner:
 
     def new_cache(self) -> KVCache:
         return KVCache(self.model.config)
+
+    def import_payload(self, payload: KVPayload) -> KVCache:
+        return KVCache.from_payload(self.model.config, payload, self.loaded.fingerprint)
 
     @torch.inference_mode()
     def forward(
@@ -34,3 +42,12 @@ class ModelRunner:
             logits_to_keep=1 if last_only else 0,
         )
         return out.logits[0].float()
+
+
+def make_runner(loaded: LoadedModel, *, fast: bool = True):
+    """The fastest runner that supports ``loaded`` (``fast=False`` forces transformers' forward)."""
+    from services import fast_llama
+
+    if fast and fast_llama.supports(loaded.model.config):
+        return fast_llama.FastLlamaRunner(loaded)
+    return ModelRunner(loaded)

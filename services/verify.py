@@ -9,7 +9,7 @@ import torch
 from services.errors import InvalidRequestError
 from services.kv import KVCache, KVPayload
 from services.loading import LoadedModel
-from services.runner import ModelRunner
+from services.runner import make_runner
 from services.sampling import SamplingParams, logits_to_probs, make_generator, speculative_sample
 from services.sessions import DEFAULT_MAX_KV_BYTES, DEFAULT_MAX_SESSIONS, SessionStore
 from services.validation import MAX_DRAFT_TOKENS
@@ -19,7 +19,7 @@ VERIFY_STREAM = 2  # random stream of accept/reject draws (see sampling.make_gen
 
 @dataclass
 class VerifySession:
-    cache: KVCache  # KV of every accepted token except `pending`
+    cache: object  # KVCache or DenseKVCache: KV of every accepted token except `pending`
     pending: int  # last emitted token, not yet in the target's KV
     params: SamplingParams
     generator: torch.Generator
@@ -46,7 +46,7 @@ class VerifyEngine:
 
     def __init__(self, target: LoadedModel, *, max_sessions: int = DEFAULT_MAX_SESSIONS, max_kv_bytes: int = DEFAULT_MAX_KV_BYTES):
         self.target = target
-        self.runner = ModelRunner(target)
+        self.runner = make_runner(target)
         self.sessions: SessionStore[VerifySession] = SessionStore(
             kind="verify", max_sessions=max_sessions, max_kv_bytes=max_kv_bytes
         )
@@ -54,7 +54,7 @@ class VerifyEngine:
     def open(self, request_id: str, payload: KVPayload, first_token: int, params: SamplingParams) -> None:
         """Start a session from a prefill's KV payload (refused if another model computed it)."""
         params.validate()
-        cache = KVCache.from_payload(self.target.model.config, payload, self.target.fingerprint)
+        cache = self.runner.import_payload(payload)
         generator = make_generator(params.seed, VERIFY_STREAM)
         self.sessions.put(request_id, VerifySession(cache, int(first_token), params, generator))
 

@@ -1,0 +1,169 @@
+"""A compact forward pass for Llama-architecture models (gpt-fast style).
+
+transformers' forward is general; on a CPU at batch size 1 two things make it
+slow for speculative decoding: weights kept as [out, in] (the GEMV path reads
+them at half the bandwidth of an [in, out] layout) and small-M GEMMs for the
+verify pass. This runner keeps each layer's weights fused and pre-transposed
+([in, out]: q|k|v in one matrix, gate|up in another), a dense KV buffer that
+rolls back by moving a length, and the LM head applied row by row for short
+chunks. Numerics follow ``modeling_llama`` op for op (RMSNorm in float32,
+rotate-half RoPE, SDPA); tests check logits against transformers.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from services.kv import KVPayload, as_tensor, check_fingerprint
+
+INITIAL_CAPACITY = 256  # KV positions allocated up front; doubled as needed
+HEAD_ROWWISE_MAX = 8  # chunks up to this many positions apply the LM head as per-row GEMVs
+
+
+def supports(config) -> bool:
+    """Plain Llama: default RoPE, no biases, no sliding window, SiLU MLP."""
+    rope = getattr(config, "rope_parameters", None) or {"rope_type": "default"}
+    return (
+        config.model_type == "llama"
+        and rope.get("rope_type", "default") == "default"
+        and not getattr(config, "attention_bias", False)
+        and not getattr(config, "mlp_bias", False)
+        and config.hidden_act == "silu"
+    )
+
+
+class DenseKVCache:
+    """KV of one sequence in one buffer [layers, 2, kv_heads, capacity, head_dim]; crop moves a length."""
+
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, capacity: int = INITIAL_CAPACITY):
+        self.buffer = torch.empty(num_layers, 2, num_kv_heads, capacity, head_dim, dtype=dtype)
+        self.seq_len = 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.buffer.nbytes
+
+    def reserve(self, length: int) -> None:
+        capacity = self.buffer.shape[3]
+        if length > capacity:
+            new_capacity = max(length, 2 * capacity)
+            grown = self.buffer.new_empty(*self.buffer.shape[:3], new_capacity, self.buffer.shape[4])
+            grown[:, :, :, : self.seq_len] = self.buffer[:, :, :, : self.seq_len]
+            self.buffer = grown
+
+    def crop(self, length: int) -> None:
+        if not 0 <= length <= self.seq_len:
+            raise ValueError(f"cannot crop a cache of {self.seq_len} positions to {length}")
+        self.seq_len = length
+
+    def export(self, fingerprint: str) -> KVPayload:
+        view = self.buffer[:, :, :, : self.seq_len]  # [layers, 2, kv_heads, seq_len, head_dim]
+        keys = [np.ascontiguousarray(view[i, 0].numpy()) for i in range(view.shape[0])]
+        values = [np.ascontiguousarray(view[i, 1].numpy()) for i in range(view.shape[0])]
+        return KVPayload(keys=keys, values=values, seq_len=self.seq_len, fingerprint=fingerprint)
+
+
+class FastLlamaRunner:
+    """Forward passes of a Llama model against ``DenseKVCache``s (same interface as ``ModelRunner``)."""
+
+    def __init__(self, loaded):
+        self.loaded = loaded
+        model, config = loaded.model, loaded.model.config
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.eps = config.rms_norm_eps
+        self.dtype = model.dtype
+        base = model.model
+        self.embed = base.embed_tokens.weight  # [vocab_size, hidden]
+        self.layers = []
+        for layer in base.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            self.layers.append(
+                (
+                    layer.input_layernorm.weight,
+                    torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]).t().contiguous(),  # [hidden, (h + 2 h_kv) * d]
+                    attn.o_proj.weight.t().contiguous(),  # [h * d, hidden]
+                    layer.post_attention_layernorm.weight,
+                    torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).t().contiguous(),  # [hidden, 2 * inter]
+                    mlp.down_proj.weight.t().contiguous(),  # [inter, hidden]
+                )
+            )
+        self.norm = base.norm.weight
+        self.head_t = model.get_output_embeddings().weight.t().contiguous()  # [hidden, vocab_size]
+        self.scaling = self.head_dim**-0.5
+        theta = config.rope_parameters["rope_theta"]
+        self.inv_freq = 1.0 / (theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float) / self.head_dim))
+
+    def new_cache(self) -> DenseKVCache:
+        return DenseKVCache(len(self.layers), self.num_kv_heads, self.head_dim, self.dtype)
+
+    def import_payload(self, payload: KVPayload) -> DenseKVCache:
+        check_fingerprint(payload, self.loaded.fingerprint)
+        cache = self.new_cache()
+        cache.reserve(payload.seq_len)
+        for i, (k, v) in enumerate(zip(payload.keys, payload.values)):
+            cache.buffer[i, 0, :, : payload.seq_len] = as_tensor(k)
+            cache.buffer[i, 1, :, : payload.seq_len] = as_tensor(v)
+        cache.seq_len = payload.seq_len
+        return cache
+
+    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return weight * h.to(x.dtype)
+
+    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # [n] -> 2 x [n, d]
+        freqs = positions[:, None].float() * self.inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+
+    @staticmethod
+    def _rotate(x, cos, sin):  # x: [heads, n, d]
+        half = x.shape[-1] // 2
+        return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [n]
+        cache: DenseKVCache,
+        *,
+        last_only: bool = False,
+    ) -> torch.Tensor:  # [n, vocab_size] ([1, vocab_size] with last_only)
+        n, start = input_ids.shape[0], cache.seq_len
+        end = start + n
+        cache.reserve(end)
+        h, h_kv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        cos, sin = self._rope(torch.arange(start, end))  # [n, d]
+        mask = None
+        if n > 1:  # causal over the new positions; all cached positions visible
+            mask = torch.ones(n, end, dtype=torch.bool).tril_(diagonal=start)
+        x = F.embedding(input_ids, self.embed)  # [n, hidden]
+        for i, (ln1, w_qkv, w_o, ln2, w_gu, w_down) in enumerate(self.layers):
+            qkv = self._rms_norm(x, ln1) @ w_qkv  # [n, (h + 2 h_kv) * d]
+            q = qkv[:, : h * d].view(n, h, d).transpose(0, 1)  # [h, n, d]
+            k = qkv[:, h * d : (h + h_kv) * d].view(n, h_kv, d).transpose(0, 1)  # [h_kv, n, d]
+            v = qkv[:, (h + h_kv) * d :].view(n, h_kv, d).transpose(0, 1)
+            q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+            cache.buffer[i, 0, :, start:end] = k
+            cache.buffer[i, 1, :, start:end] = v
+            keys = cache.buffer[i, 0, :, :end]  # [h_kv, end, d]
+            values = cache.buffer[i, 1, :, :end]
+            attn = F.scaled_dot_product_attention(
+                q[None], keys[None], values[None], attn_mask=mask, scale=self.scaling, enable_gqa=True
+            )  # [1, h, n, d]
+            x = x + attn[0].transpose(0, 1).reshape(n, h * d) @ w_o
+            gate, up = (self._rms_norm(x, ln2) @ w_gu).chunk(2, dim=-1)  # 2 x [n, inter]
+            x = x + (F.silu(gate) * up) @ w_down
+        cache.seq_len = end
+        x = self._rms_norm(x[-1:] if last_only else x, self.norm)  # [m, hidden]
+        if x.shape[0] <= HEAD_ROWWISE_MAX:
+            # short chunks: one GEMV per row streams the head at full bandwidth,
+            # where a small-M GEMM is several times slower on these CPUs
+            return torch.stack([row @ self.head_t for row in x]).float()
+        return (x @ self.head_t).float()

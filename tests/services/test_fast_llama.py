@@ -1,0 +1,51 @@
+"""The compact Llama forward computes what transformers' forward computes."""
+
+import pytest
+import torch
+
+from services.fast_llama import FastLlamaRunner, supports
+from services.runner import ModelRunner, make_runner
+
+
+def test_tiny_pair_takes_the_fast_path(tiny):
+    assert supports(tiny[0].config)
+    assert isinstance(make_runner(tiny[0]), FastLlamaRunner)
+    assert isinstance(make_runner(tiny[0], fast=False), ModelRunner)
+
+
+@pytest.mark.parametrize("chunks", [[7], [5, 1, 1, 1], [3, 4, 2], [6, 9, 1]])
+def test_logits_match_transformers_chunk_by_chunk(tiny, chunks):
+    """Prefill then decode/verify-sized chunks: same logits as the transformers forward."""
+    target, _ = tiny
+    fast, slow = make_runner(target), ModelRunner(target)
+    fc, sc = fast.new_cache(), slow.new_cache()
+    ids = torch.randint(0, target.vocab_size, (sum(chunks),), generator=torch.Generator().manual_seed(0))
+    start = 0
+    for n in chunks:
+        chunk = ids[start : start + n]
+        torch.testing.assert_close(fast.forward(chunk, fc), slow.forward(chunk, sc), rtol=1e-4, atol=1e-4)
+        start += n
+
+
+def test_crop_then_forward_matches_fresh(tiny):
+    """Rolling back by a length, then writing over the rejected positions, is exact."""
+    target, _ = tiny
+    runner = make_runner(target)
+    cache = runner.new_cache()
+    runner.forward(torch.tensor([1, 2, 3, 4, 5, 6]), cache)
+    cache.crop(3)
+    rolled = runner.forward(torch.tensor([9, 8]), cache)
+    fresh = runner.forward(torch.tensor([1, 2, 3, 9, 8]), runner.new_cache())[-2:]
+    torch.testing.assert_close(rolled, fresh, rtol=1e-5, atol=1e-5)
+
+
+def test_cache_grows_past_initial_capacity(tiny):
+    target, _ = tiny
+    runner = make_runner(target)
+    cache = runner.new_cache()
+    capacity = cache.buffer.shape[3]
+    ids = torch.randint(0, target.vocab_size, (capacity + 10,), generator=torch.Generator().manual_seed(1))
+    runner.forward(ids[: capacity - 2], cache)
+    out = runner.forward(ids[capacity - 2 :], cache)
+    ref = ModelRunner(target).forward(ids, ModelRunner(target).new_cache())[capacity - 2 :]
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
