@@ -3,16 +3,17 @@
 transformers' forward is general; on a CPU at batch size 1 two things make it
 slow for speculative decoding: weights kept as [out, in] (the GEMV path reads
 them at half the bandwidth of an [in, out] layout) and small-M GEMMs for the
-verify pass. This runner keeps each layer's weights fused and pre-transposed
-([in, out]: q|k|v in one matrix, gate|up in another), a dense KV buffer that
-rolls back by moving a length, and the LM head applied row by row for short
-chunks. Numerics follow ``modeling_llama`` op for op (RMSNorm in float32,
+verify pass. This runner keeps each layer's weights fused (q|k|v in one
+matrix, gate|up in another), a dense KV buffer that rolls back by moving a
+length, and for each matmul the BLAS call that is fastest
+for the chunk size (see ``Linear``). Numerics follow ``modeling_llama`` op for op (RMSNorm in float32,
 rotate-half RoPE, SDPA); tests check logits against transformers.
 """
 
 from __future__ import annotations
 
 import math
+import time
 
 import numpy as np
 import torch
@@ -21,7 +22,53 @@ import torch.nn.functional as F
 from services.kv import KVPayload, as_tensor, check_fingerprint
 
 INITIAL_CAPACITY = 256  # KV positions allocated up front; doubled as needed
-HEAD_ROWWISE_MAX = 8  # chunks up to this many positions apply the LM head as per-row GEMVs
+
+
+class Linear:
+    """One weight in both layouts; each chunk size takes the faster BLAS call.
+
+    For one row, ``x @ W^T`` with W^T stored [in, out] streams the weight at
+    full bandwidth (GEMV), about twice as fast as with W stored [out, in]; for
+    a few rows the small-M GEMM can be several times slower than
+    ``(W @ x^T)^T`` with W stored [out, in] (measured on a 2-core AMD EPYC,
+    MKL). Which wins depends on the BLAS, the CPU and the shape, so the first
+    call of each (shape, rows) times both and remembers the faster.
+    """
+
+    _plans: dict[tuple[int, int, int, int], bool] = {}  # (out, in, rows, threads) -> use (W @ x^T)^T
+
+    def __init__(self, weight: torch.Tensor):  # [out, in]
+        self.weight = weight.contiguous()  # [out, in]
+        self.weight_t = weight.t().contiguous()  # [in, out]
+
+    def _row_major(self, x):
+        return x @ self.weight_t
+
+    def _col_major(self, x):
+        return (self.weight @ x.t()).t().contiguous()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [n, in] -> [n, out]
+        n = x.shape[0]
+        if n == 1 or n > AUTOTUNE_MAX_ROWS:
+            return self._row_major(x)
+        key = (*self.weight.shape, n, torch.get_num_threads())
+        if key not in Linear._plans:
+            Linear._plans[key] = _time(self._col_major, x) < _time(self._row_major, x)
+        return self._col_major(x) if Linear._plans[key] else self._row_major(x)
+
+
+AUTOTUNE_MAX_ROWS = 16  # verify chunks are short; prefill-sized chunks use the plain GEMM
+AUTOTUNE_REPEATS = 5
+
+
+def _time(fn, x) -> float:
+    fn(x)  # warm up
+    best = math.inf
+    for _ in range(AUTOTUNE_REPEATS):
+        start = time.perf_counter()
+        fn(x)
+        best = min(best, time.perf_counter() - start)
+    return best
 
 
 def supports(config) -> bool:
@@ -86,15 +133,15 @@ class FastLlamaRunner:
             self.layers.append(
                 (
                     layer.input_layernorm.weight,
-                    torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]).t().contiguous(),  # [hidden, (h + 2 h_kv) * d]
-                    attn.o_proj.weight.t().contiguous(),  # [h * d, hidden]
+                    Linear(torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])),  # hidden -> (h + 2 h_kv) * d
+                    Linear(attn.o_proj.weight),  # h * d -> hidden
                     layer.post_attention_layernorm.weight,
-                    torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).t().contiguous(),  # [hidden, 2 * inter]
-                    mlp.down_proj.weight.t().contiguous(),  # [inter, hidden]
+                    Linear(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])),  # hidden -> 2 * inter
+                    Linear(mlp.down_proj.weight),  # inter -> hidden
                 )
             )
         self.norm = base.norm.weight
-        self.head_t = model.get_output_embeddings().weight.t().contiguous()  # [hidden, vocab_size]
+        self.head = Linear(model.get_output_embeddings().weight)  # hidden -> vocab_size
         self.scaling = self.head_dim**-0.5
         theta = config.rope_parameters["rope_theta"]
         self.inv_freq = 1.0 / (theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float) / self.head_dim))
@@ -145,7 +192,7 @@ class FastLlamaRunner:
             mask = torch.ones(n, end, dtype=torch.bool).tril_(diagonal=start)
         x = F.embedding(input_ids, self.embed)  # [n, hidden]
         for i, (ln1, w_qkv, w_o, ln2, w_gu, w_down) in enumerate(self.layers):
-            qkv = self._rms_norm(x, ln1) @ w_qkv  # [n, (h + 2 h_kv) * d]
+            qkv = w_qkv(self._rms_norm(x, ln1))  # [n, (h + 2 h_kv) * d]
             q = qkv[:, : h * d].view(n, h, d).transpose(0, 1)  # [h, n, d]
             k = qkv[:, h * d : (h + h_kv) * d].view(n, h_kv, d).transpose(0, 1)  # [h_kv, n, d]
             v = qkv[:, (h + h_kv) * d :].view(n, h_kv, d).transpose(0, 1)
@@ -157,13 +204,9 @@ class FastLlamaRunner:
             attn = F.scaled_dot_product_attention(
                 q[None], keys[None], values[None], attn_mask=mask, scale=self.scaling, enable_gqa=True
             )  # [1, h, n, d]
-            x = x + attn[0].transpose(0, 1).reshape(n, h * d) @ w_o
-            gate, up = (self._rms_norm(x, ln2) @ w_gu).chunk(2, dim=-1)  # 2 x [n, inter]
-            x = x + (F.silu(gate) * up) @ w_down
+            x = x + w_o(attn[0].transpose(0, 1).reshape(n, h * d))
+            gate, up = w_gu(self._rms_norm(x, ln2)).chunk(2, dim=-1)  # 2 x [n, inter]
+            x = x + w_down(F.silu(gate) * up)
         cache.seq_len = end
         x = self._rms_norm(x[-1:] if last_only else x, self.norm)  # [m, hidden]
-        if x.shape[0] <= HEAD_ROWWISE_MAX:
-            # short chunks: one GEMV per row streams the head at full bandwidth,
-            # where a small-M GEMM is several times slower on these CPUs
-            return torch.stack([row @ self.head_t for row in x]).float()
-        return (x @ self.head_t).float()
+        return self.head(x).float()

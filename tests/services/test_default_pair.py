@@ -1,0 +1,48 @@
+"""The default SmolLM2 pair: prepared offline, and greedy output identical to the target alone."""
+
+import pytest
+
+from services.draft import DraftEngine
+from services.loop import generate
+from services.models.distill import chat_ids
+from services.models.prompts import held_out_prompts
+from services.prefill import PrefillEngine
+from services.sampling import SamplingParams
+from services.verify import VerifyEngine
+from tests.conftest import greedy_reference
+
+pytestmark = pytest.mark.slow
+
+NEW_TOKENS = 64
+NUM_PROMPTS = 8
+
+
+@pytest.fixture(scope="module")
+def engines(default_pair):
+    target, draft = default_pair
+    return PrefillEngine(target), DraftEngine(draft), VerifyEngine(target)
+
+
+@pytest.fixture(scope="module")
+def prompts(default_pair):
+    target, _ = default_pair
+    return [chat_ids(target.tokenizer, p) for p in held_out_prompts()[:NUM_PROMPTS]]
+
+
+def test_pair_is_a_real_model(default_pair):
+    """The GGUF-derived target answers correctly: it writes an is_prime function."""
+    target, _ = default_pair
+    ids = chat_ids(target.tokenizer, "Write a Python function is_prime(n) that checks whether n is prime.")
+    text = target.tokenizer.decode(greedy_reference(target.model, ids, 48))
+    assert "def is_prime" in text
+
+
+@pytest.mark.parametrize("drafter,k", [("model", 1), ("model", 3), ("model", 5), ("prompt_lookup", 3)])
+def test_greedy_equals_target_alone(default_pair, engines, prompts, drafter, k):
+    """8 prompts x 64 tokens: token-identical to generate(do_sample=False) of the target."""
+    target, _ = default_pair
+    prefill, draft, verify = engines
+    for ids in prompts:
+        result = generate(prefill, draft, verify, ids, max_new_tokens=NEW_TOKENS, num_draft_tokens=k,
+                          params=SamplingParams(), drafter=drafter)
+        assert result.token_ids == greedy_reference(target.model, ids, NEW_TOKENS)
