@@ -56,10 +56,13 @@ class ModelDraftSession:
         token_ids, q_rows = [], []
         for _ in range(k):
             logits = self.runner.forward(uncached, self.cache, last_only=True)  # [1, vocab_size]
-            q = logits_to_probs(logits, self.params)  # [1, vocab_size]
-            x = sample(q, self.generator)  # [1]
+            if self.params.greedy:  # q is one-hot at the argmax: no need to build it
+                x = logits.argmax(dim=-1)  # [1]
+            else:
+                q = logits_to_probs(logits, self.params)  # [1, vocab_size]
+                x = sample(q, self.generator)  # [1]
+                q_rows.append(q[0])
             token_ids.append(int(x[0]))
-            q_rows.append(q[0])
             uncached = x
         self.proposal = token_ids
         probs = None if self.params.greedy else torch.stack(q_rows)  # [k, vocab_size]

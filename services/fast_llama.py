@@ -19,6 +19,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from services import kernels
 from services.kv import KVPayload, as_tensor, check_fingerprint
 
 INITIAL_CAPACITY = 256  # KV positions allocated up front; doubled as needed
@@ -31,11 +32,12 @@ class Linear:
     full bandwidth (GEMV), about twice as fast as with W stored [out, in]; for
     a few rows the small-M GEMM can be several times slower than
     ``(W @ x^T)^T`` with W stored [out, in] (measured on a 2-core AMD EPYC,
-    MKL). Which wins depends on the BLAS, the CPU and the shape, so the first
-    call of each (shape, rows) times both and remembers the faster.
+    MKL). ``kernels.skinny_gemm`` reads the weight once for up to 8 rows.
+    Which wins depends on the BLAS, the CPU and the shape, so the first call
+    of each (shape, rows) times the candidates and remembers the fastest.
     """
 
-    _plans: dict[tuple[int, int, int, int], bool] = {}  # (out, in, rows, threads) -> use (W @ x^T)^T
+    _plans: dict[tuple[int, int, int, int], str] = {}  # (out, in, rows, threads) -> fastest variant
 
     def __init__(self, weight: torch.Tensor):  # [out, in]
         self.weight = weight.contiguous()  # [out, in]
@@ -47,14 +49,24 @@ class Linear:
     def _col_major(self, x):
         return (self.weight @ x.t()).t().contiguous()
 
+    def _skinny(self, x):
+        return kernels.skinny_gemm()(x, self.weight)
+
+    def variants(self, n: int) -> dict:
+        found = {"row_major": self._row_major, "col_major": self._col_major}
+        if n <= kernels.SKINNY_MAX_ROWS and self.weight.dtype == torch.float32 and kernels.skinny_gemm() is not None:
+            found["skinny"] = self._skinny
+        return found
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [n, in] -> [n, out]
         n = x.shape[0]
-        if n == 1 or n > AUTOTUNE_MAX_ROWS:
+        if n > AUTOTUNE_MAX_ROWS:
             return self._row_major(x)
         key = (*self.weight.shape, n, torch.get_num_threads())
+        variants = self.variants(n)
         if key not in Linear._plans:
-            Linear._plans[key] = _time(self._col_major, x) < _time(self._row_major, x)
-        return self._col_major(x) if Linear._plans[key] else self._row_major(x)
+            Linear._plans[key] = min(variants, key=lambda name: _time(variants[name], x))
+        return variants[Linear._plans[key]](x)
 
 
 AUTOTUNE_MAX_ROWS = 16  # verify chunks are short; prefill-sized chunks use the plain GEMM

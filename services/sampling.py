@@ -123,6 +123,24 @@ class SpeculativeResult:
     accepted: list[bool]  # per draft position: accepted or not (False after the first rejection)
 
 
+def greedy_verify(
+    draft_token_ids: torch.Tensor,  # [k]
+    target_logits: torch.Tensor,  # [k + 1, vocab_size]
+) -> SpeculativeResult:
+    """Algorithm 1 with one-hot p and q (temperature 0), without building them.
+
+    p(x)/q(x) is 1 where the draft token is the target's argmax and 0
+    elsewhere: accept while they agree, then emit the target's argmax (the
+    recovered token, or the bonus token after k matches).
+    """
+    k = draft_token_ids.shape[0]
+    target_ids = target_logits.argmax(dim=-1)  # [k + 1]
+    agree = (target_ids[:k] == draft_token_ids).tolist()
+    n_matches = agree.index(False) if False in agree else k
+    token_ids = draft_token_ids[:n_matches].tolist() + [int(target_ids[n_matches])]
+    return SpeculativeResult(token_ids, n_matches, [True] * n_matches + [False] * (k - n_matches))
+
+
 def speculative_sample(
     draft_token_ids: torch.Tensor,  # [k]
     q: torch.Tensor,  # [k, vocab_size] draft distributions the tokens were drawn from

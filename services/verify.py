@@ -10,7 +10,7 @@ from services.errors import InvalidRequestError
 from services.kv import KVCache, KVPayload
 from services.loading import LoadedModel
 from services.runner import make_runner
-from services.sampling import SamplingParams, logits_to_probs, make_generator, speculative_sample
+from services.sampling import SamplingParams, greedy_verify, logits_to_probs, make_generator, speculative_sample
 from services.sessions import DEFAULT_MAX_KV_BYTES, DEFAULT_MAX_SESSIONS, SessionStore
 from services.validation import MAX_DRAFT_TOKENS
 
@@ -73,13 +73,18 @@ class VerifyEngine:
         if k >= context:
             raise InvalidRequestError(f"{k} draft tokens do not fit in the remaining context of {context}")
         draft = torch.tensor(draft_token_ids, dtype=torch.long)  # [k]
+        if k and not bool(((draft >= 0) & (draft < self.target.vocab_size)).all()):
+            raise InvalidRequestError(f"draft token ids must be in [0, {self.target.vocab_size})")
         start = session.cache.seq_len
         # 1. one target pass over [pending, d_1 .. d_k] gives p_1 .. p_{k+1}
-        logits = self.runner.forward(torch.cat([torch.tensor([session.pending]), draft]), session.cache)
-        p = logits_to_probs(logits, session.params)  # [k + 1, vocab_size]
-        q = draft_probs if draft_probs is not None else _one_hot(draft, p.shape[-1])  # [k, vocab_size]
+        logits = self.runner.forward(torch.cat([torch.tensor([session.pending]), draft]), session.cache)  # [k + 1, V]
         # 2. exact accept / reject (services.sampling)
-        result = speculative_sample(draft, q, p, session.generator)
+        if session.params.greedy:
+            result = greedy_verify(draft, logits)
+        else:
+            p = logits_to_probs(logits, session.params)  # [k + 1, vocab_size]
+            q = draft_probs if draft_probs is not None else _one_hot(draft, p.shape[-1])  # [k, vocab_size]
+            result = speculative_sample(draft, q, p, session.generator)
         # 3. keep KV of pending + accepted drafts; the new pending token is not in the KV yet
         session.cache.crop(start + 1 + result.n_matches)
         session.pending = result.token_ids[-1]

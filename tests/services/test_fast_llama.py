@@ -49,3 +49,26 @@ def test_cache_grows_past_initial_capacity(tiny):
     out = runner.forward(ids[capacity - 2 :], cache)
     ref = ModelRunner(target).forward(ids, ModelRunner(target).new_cache())[capacity - 2 :]
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8])
+def test_every_matmul_variant_computes_x_times_w_transposed(rows):
+    """Whichever variant the autotuner picks, the product is the same."""
+    from services.fast_llama import Linear
+
+    gen = torch.Generator().manual_seed(rows)
+    weight = torch.randn(300, 136, generator=gen)  # odd sizes: exercises the kernel's tails
+    x = torch.randn(rows, 136, generator=gen)
+    linear = Linear(weight)
+    expected = x @ weight.t()
+    for name, fn in linear.variants(rows).items():
+        torch.testing.assert_close(fn(x), expected, rtol=1e-5, atol=1e-4, msg=name)
+
+
+def test_skinny_kernel_builds_here():
+    """The compiled verify-chunk kernel is available on this machine (AVX2 CPUs)."""
+    from services import kernels
+
+    if not kernels._cpu_has_avx2_fma():
+        pytest.skip("CPU without AVX2/FMA: BLAS fallback is used")
+    assert kernels.skinny_gemm() is not None

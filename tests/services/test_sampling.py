@@ -161,3 +161,17 @@ def test_greedy_is_one_hot_argmax():
 def test_invalid_params_raise_typed_error(kwargs, fragment):
     with pytest.raises(InvalidRequestError, match=fragment.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[").replace("]", r"\]")):
         SamplingParams(**kwargs).validate()
+
+
+def test_greedy_verify_equals_algorithm_1_with_one_hot_distributions():
+    """The greedy shortcut gives what speculative_sample gives for one-hot p and q."""
+    from services.sampling import greedy_verify
+
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(200):
+        k = int(torch.randint(0, 5, (1,), generator=gen))
+        logits = torch.randn(k + 1, 6, generator=gen)
+        draft = torch.randint(0, 6, (k,), generator=gen)
+        p = logits_to_probs(logits, SamplingParams())
+        exact = speculative_sample(draft, one_hot(draft.tolist(), 6) if k else torch.zeros(0, 6), p, make_generator(0, 0))
+        assert greedy_verify(draft, logits) == exact
