@@ -63,9 +63,12 @@ class VerifyEngine:
         request_id: str,
         draft_token_ids: list[int],  # [k]
         draft_probs: torch.Tensor | None,  # [k, vocab_size]; None = one-hot (greedy or deterministic drafter)
+        params: SamplingParams | None = None,  # default: the session's; must be what the drafter used
     ) -> VerifyResult:
         """Score ``pending + draft`` in one pass, accept a prefix, roll back the rest."""
         session = self.sessions.get(request_id)
+        if params is not None:
+            session.params = params.validate()
         k = len(draft_token_ids)
         if k > MAX_DRAFT_TOKENS:
             raise InvalidRequestError(f"got {k} draft tokens, at most {MAX_DRAFT_TOKENS} are allowed")

@@ -2,8 +2,9 @@
 
 All arms run in one process, greedy, on the same prompts, side by side, so
 their ratios are meaningful on a noisy machine. The ideal speedup comes from
-the measured acceptance and the measured costs of one verify pass over k + 1
-tokens and of one draft token: ideal tok/s = E[tokens per step] / (k * t_draft + t_verify(k + 1)).
+the measured acceptance and the measured costs of one verify pass over n + 1
+tokens and of one draft token: the ideal time of a run is its measured prefill
+plus, for each step that drafted n tokens, n * t_draft + t_verify(n + 1).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 
 from services.draft import MODEL_DRAFTER, PROMPT_LOOKUP_DRAFTER, DraftEngine
 from services.loading import LoadedModel
-from services.loop import generate
+from services.loop import GenerationResult, SpeculationStats, generate, speculative_decode
 from services.models.distill import chat_ids
 from services.models.prompts import held_out_prompts
 from services.prefill import PrefillEngine
@@ -96,7 +97,34 @@ def _timed(arm: Arm, fn):
     return tokens
 
 
-def run(target: LoadedModel, draft: LoadedModel, *, ks: list[int], num_prompts: int, max_new_tokens: int, progress=print) -> dict:
+def _traced_generate(*args, **kwargs) -> GenerationResult:
+    """``generate`` that also records the prefill time and each step's draft length (for the ideal)."""
+    tokens, stats, finish, drafted_per_step = [], SpeculationStats(), None, []
+    start = time.perf_counter()
+    prefill_s = 0.0
+    for i, step in enumerate(speculative_decode(*args, **kwargs)):
+        if i == 0:
+            prefill_s = time.perf_counter() - start
+        else:
+            stats.add(step)
+            drafted_per_step.append(step.n_drafted)
+        tokens += step.token_ids
+        finish = step.finish_reason or finish
+    result = GenerationResult(tokens, finish, stats)
+    result.prefill_s, result.drafted_per_step = prefill_s, drafted_per_step
+    return result
+
+
+def run(
+    target: LoadedModel,
+    draft: LoadedModel,
+    *,
+    ks: list[int],
+    num_prompts: int,
+    max_new_tokens: int,
+    prompt_lookup_k: int = 3,
+    progress=print,
+) -> dict:
     prompts = [chat_ids(target.tokenizer, p) for p in held_out_prompts()[:num_prompts]]
     prefill, verify = PrefillEngine(target), VerifyEngine(target)
     drafts = DraftEngine(draft)
@@ -111,12 +139,13 @@ def run(target: LoadedModel, draft: LoadedModel, *, ks: list[int], num_prompts: 
         references.append(_timed(target_arm, lambda: _hf_generate(target.model, ids, max_new_tokens)))
         _timed(own_arm, lambda: generate(prefill, None, verify, ids, max_new_tokens=max_new_tokens, num_draft_tokens=1, params=greedy).token_ids)
     progress(f"{target_arm.name}: {target_arm.tok_s:.2f} tok/s; {own_arm.name}: {own_arm.tok_s:.2f} tok/s")
-    costs = measure_costs(target, draft, max(ks) + 1)
-    configs = [(MODEL_DRAFTER, k) for k in ks] + [(PROMPT_LOOKUP_DRAFTER, max(ks))]
+    costs = measure_costs(target, draft, max(*ks, prompt_lookup_k) + 1)
+    configs = [(MODEL_DRAFTER, k) for k in ks] + [(PROMPT_LOOKUP_DRAFTER, prompt_lookup_k)]
     runs = []
     for drafter, k in configs:
         hf_arm, ours = Arm("transformers assisted"), Arm("splitspec loop")
-        identical, drafted, accepted, steps = True, 0, 0, 0
+        identical, drafted, accepted, steps, ideal_seconds = True, 0, 0, 0, 0.0
+        draft_cost = costs["draft_token_s"] if drafter == MODEL_DRAFTER else 0.0
         for ids, ref in zip(prompts, references):
             if drafter == MODEL_DRAFTER:
                 draft.model.generation_config.num_assistant_tokens = k
@@ -130,7 +159,7 @@ def run(target: LoadedModel, draft: LoadedModel, *, ks: list[int], num_prompts: 
 
             def ours_fn():
                 nonlocal result
-                result = generate(prefill, drafts, verify, ids, max_new_tokens=max_new_tokens, num_draft_tokens=k, params=greedy, drafter=drafter)
+                result = _traced_generate(prefill, drafts, verify, ids, max_new_tokens=max_new_tokens, num_draft_tokens=k, params=greedy, drafter=drafter)
                 return result.token_ids
 
             tokens = _timed(ours, ours_fn)
@@ -138,10 +167,12 @@ def run(target: LoadedModel, draft: LoadedModel, *, ks: list[int], num_prompts: 
             drafted += result.stats.drafted
             accepted += result.stats.accepted
             steps += result.stats.steps
+            ideal_seconds += result.prefill_s + sum(
+                n * draft_cost + costs["verify_s"][n + 1] for n in result.drafted_per_step
+            )
         alpha = accepted / drafted if drafted else 0.0
         mean_len = (accepted + steps) / steps if steps else 0.0
-        draft_cost = costs["draft_token_s"] if drafter == MODEL_DRAFTER else 0.0
-        ideal_tok_s = mean_len / (k * draft_cost + costs["verify_s"][k + 1])
+        ideal_tok_s = ours.tokens / ideal_seconds
         row = {
             "drafter": drafter,
             "k": k,

@@ -34,7 +34,9 @@ def cmd_bench_engine(args) -> int:
 
     target, draft = _load_pair(args)
     ks = [int(k) for k in args.ks.split(",")]
-    report = bench_engine.run(target, draft, ks=ks, num_prompts=args.prompts, max_new_tokens=args.max_new_tokens)
+    report = bench_engine.run(
+        target, draft, ks=ks, num_prompts=args.prompts, max_new_tokens=args.max_new_tokens, prompt_lookup_k=args.prompt_lookup_k
+    )
     best = [r for r in report["runs"] if r["k"] == report["best_k"] and r["drafter"] == "model"][0]
     print(
         f"\nbest k={report['best_k']}: splitspec {report['splitspec_tok_s']:.2f} tok/s = "
@@ -97,6 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     engine = bench.add_parser("engine", help="target alone vs transformers assisted vs the splitspec loop")
     _model_args(engine)
     engine.add_argument("--ks", default="1,2,3,4,5,6", help="draft lengths to run, comma separated")
+    engine.add_argument("--prompt-lookup-k", type=int, default=3, help="draft length of the prompt-lookup run")
     engine.add_argument("--prompts", type=int, default=8)
     engine.add_argument("--max-new-tokens", type=int, default=64)
     engine.add_argument("--json", help="also write the report as JSON here")
