@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 import torch
 
 from services.errors import InvalidRequestError
-from services.kv import KVCache
 from services.loading import LoadedModel
 from services.prompt_lookup import find_candidates
 from services.runner import make_runner

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from services.errors import InvalidRequestError
-from services.kv import KVCache, KVPayload
+from services.kv import KVPayload
 from services.loading import LoadedModel
 from services.runner import make_runner
 from services.sampling import SamplingParams, greedy_verify, logits_to_probs, make_generator, speculative_sample

@@ -9,7 +9,6 @@ plus, for each step that drafted n tokens, n * t_draft + t_verify(n + 1).
 
 from __future__ import annotations
 
-import json
 import logging
 import statistics
 import time

@@ -116,7 +116,9 @@ def prepare_drafter(*, retrain: bool = False, config: distill.DistillConfig | No
             state = {k: v.to(torch.bfloat16).contiguous() for k, v in distill.trainable_state(student).items()}
             save_file(state, SHIPPED_DRAFTER, metadata={"num_layers": str(config.num_layers)})
             SHIPPED_REPORT.write_text(json.dumps(report, indent=2) + "\n")
-    else:
+        else:
+            report["source"] = "retrained"  # kept by later `prepare` runs; --export ships it
+    if SHIPPED_DRAFTER.is_file() and (export or not retrain):  # everyone builds from the shipped bf16 weights
         report = json.loads(SHIPPED_REPORT.read_text())
         student = distill.truncated_student(target, report["config"]["num_layers"])
         shipped = {k: v.float() for k, v in load_file(SHIPPED_DRAFTER).items()}
@@ -135,7 +137,11 @@ def _matches_shipped(out: Path) -> bool:
     if not SHIPPED_REPORT.is_file():
         return True
     built = out / "drafter.json"
-    return built.is_file() and built.read_text() == SHIPPED_REPORT.read_text()
+    if not built.is_file():
+        return False
+    if json.loads(built.read_text()).get("source") == "retrained":
+        return True
+    return built.read_text() == SHIPPED_REPORT.read_text()
 
 
 def prepare(*, wheel: Path | None = None, retrain: bool = False, export: bool = False) -> tuple[Path, Path]:

@@ -21,7 +21,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from tqdm.auto import tqdm
 from transformers import LlamaForCausalLM
 
@@ -35,11 +34,11 @@ HELD_OUT_TOKENS = 64  # answer length of held-out evaluation sequences
 class DistillConfig:
     num_layers: int = 4  # decoder layers kept from the target
     seed: int = 0
-    num_prompts: int = 480  # training prompts answered by the target
-    max_new_tokens: int = 160  # per answer
-    gen_batch_size: int = 24
+    num_prompts: int = 288  # training prompts answered by the target
+    max_new_tokens: int = 128  # per answer
+    gen_batch_size: int = 48
     teacher_top_k: int = 32  # teacher log-probs kept per position
-    epochs: int = 3
+    epochs: int = 6
     batch_size: int = 8  # sequences per optimiser step
     lr: float = 1e-3
     warmup_steps: int = 20

@@ -5,7 +5,6 @@ import torch
 
 from services.draft import DraftEngine
 from services.errors import InvalidRequestError, ModelMismatchError, SessionNotFoundError
-from services.kv import KVCache
 from services.loading import check_pair
 from services.loop import FINISH_LENGTH, generate, speculative_decode
 from services.models.tiny import tiny_pair
