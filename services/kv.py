@@ -8,6 +8,7 @@ verifier refuses a payload whose fingerprint is not its own model's.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -96,8 +97,6 @@ def as_tensor(array: np.ndarray) -> torch.Tensor:
     """A tensor view of ``array``; read-only arrays (object-store memory) are only ever read."""
     if not array.flags.writeable:
         # torch warns on read-only buffers; it never writes to them here (see above)
-        import warnings
-
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
             return torch.from_numpy(array)
