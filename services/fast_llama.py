@@ -38,6 +38,7 @@ class Linear:
     """
 
     _plans: dict[tuple[int, int, int, int], str] = {}  # (out, in, rows, threads) -> fastest variant
+    forced_variant: str | None = None  # pin one variant for every call (bit-reproducible comparisons)
 
     def __init__(self, weight: torch.Tensor):  # [out, in]
         self.weight = weight.contiguous()  # [out, in]
@@ -60,6 +61,8 @@ class Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [n, in] -> [n, out]
         n = x.shape[0]
+        if Linear.forced_variant is not None:
+            return getattr(self, "_" + Linear.forced_variant)(x)
         if n > AUTOTUNE_MAX_ROWS:
             return self._row_major(x)
         key = (*self.weight.shape, n, torch.get_num_threads())
