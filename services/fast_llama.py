@@ -66,10 +66,10 @@ class Linear:
         if n > AUTOTUNE_MAX_ROWS:
             return self._row_major(x)
         key = (*self.weight.shape, n, torch.get_num_threads())
-        variants = self.variants(n)
-        if key not in Linear._plans:
+        if key not in Linear._plans:  # plan once; later calls skip building the candidates
+            variants = self.variants(n)
             Linear._plans[key] = min(variants, key=lambda name: _time(variants[name], x))
-        return variants[Linear._plans[key]](x)
+        return getattr(self, "_" + Linear._plans[key])(x)
 
 
 AUTOTUNE_MAX_ROWS = 16  # verify chunks are short; prefill-sized chunks use the plain GEMM

@@ -112,10 +112,7 @@ def speculative_decode(
             verdict = verify.verify(request_id, draft_ids, proposal.probs if proposal else None)
             # 5. accept: roll the drafter back to the accepted prefix
             if draft is not None:
-                if proposal is None:
-                    draft.accept(request_id, 0, verdict.token_ids[-1])
-                else:
-                    draft.accept(request_id, verdict.n_matches, verdict.token_ids[-1])
+                draft.accept(request_id, verdict.n_matches, verdict.token_ids[-1])  # n_matches is 0 without a proposal
             step = StepOutput(verdict.token_ids, len(draft_ids), verdict.n_matches, verdict.accepted)
     finally:
         verify.close(request_id)
