@@ -129,3 +129,43 @@ def check_pair(target: LoadedModel, draft: LoadedModel) -> None:
 def config_of(path: str | Path):
     """Read a model folder's config without loading weights."""
     return AutoConfig.from_pretrained(path)
+
+
+@dataclass
+class ModelInfo:
+    """What the serving edge needs of the target without loading its weights."""
+
+    tokenizer: Any
+    vocab_size: int
+    max_context: int
+    eos_token_ids: set[int]
+
+
+def describe(path: str | Path) -> ModelInfo:
+    """Tokenizer, vocabulary size, context length and EOS ids of a model folder."""
+    from transformers import GenerationConfig
+
+    config = config_of(path)
+    try:
+        eos = GenerationConfig.from_pretrained(path).eos_token_id
+    except OSError:  # no generation_config.json
+        eos = None
+    if eos is None:
+        eos = getattr(config, "eos_token_id", None)
+    eos_ids = set() if eos is None else set(eos) if isinstance(eos, (list, tuple)) else {int(eos)}
+    return ModelInfo(
+        tokenizer=AutoTokenizer.from_pretrained(path),
+        vocab_size=int(config.vocab_size),
+        max_context=int(getattr(config, "max_position_embeddings", 2048)),
+        eos_token_ids=eos_ids,
+    )
+
+
+def check_tokenizers(target_path: str | Path, draft_path: str | Path) -> None:
+    """``check_pair`` without loading weights: same vocabulary size and the same token ids."""
+    target, draft = describe(target_path), describe(draft_path)
+    if target.vocab_size != draft.vocab_size or target.tokenizer.get_vocab() != draft.tokenizer.get_vocab():
+        raise ModelMismatchError(
+            f"draft model {draft_path} does not share the tokenizer of target model {target_path}; "
+            "speculative decoding needs a drafter trained with the target's tokenizer"
+        )

@@ -99,7 +99,7 @@ def speculative_decode(
         generated = 0
         step = StepOutput([result.first_token])
         while True:
-            step, generated = _finish(step, generated, max_new_tokens, eos)
+            step, generated = finish_step(step, generated, max_new_tokens, eos)
             yield step
             if step.finish_reason:
                 return
@@ -120,7 +120,7 @@ def speculative_decode(
             draft.close(request_id)
 
 
-def _finish(step: StepOutput, generated: int, max_new_tokens: int, eos: set[int]) -> tuple[StepOutput, int]:
+def finish_step(step: StepOutput, generated: int, max_new_tokens: int, eos: set[int]) -> tuple[StepOutput, int]:
     """Cut a step at the first EOS or at the token budget and set its finish reason."""
     tokens = step.token_ids
     for i, token in enumerate(tokens):

@@ -1,0 +1,96 @@
+"""The wire format at the edge: splitspec.v1 protos in, a validated ``Plan`` out, and responses back."""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+
+from deployments.config import AppConfig
+from services.draft import DRAFTERS
+from services.errors import InvalidRequestError
+from services.loop import FINISH_LENGTH, FINISH_STOP, SpeculationStats
+from services.sampling import SamplingParams
+from services.text import encode_prompt, validate_stop
+from services.validation import validate_max_new_tokens, validate_num_draft_tokens, validate_prompt
+from splitspec.v1 import splitspec_pb2 as pb
+
+FINISH_STOP_SEQUENCE = "stop_sequence"
+FINISH_REASONS = {
+    FINISH_STOP: pb.FINISH_REASON_STOP,
+    FINISH_LENGTH: pb.FINISH_REASON_LENGTH,
+    FINISH_STOP_SEQUENCE: pb.FINISH_REASON_STOP_SEQUENCE,
+}
+MAX_REQUEST_ID_CHARS = 256
+
+
+@dataclass
+class Plan:
+    """A validated request, in the engine's terms."""
+
+    request_id: str  # the client's, echoed back
+    session_id: str  # unique per request: the draft / verify session key
+    prompt_ids: list[int]
+    params: SamplingParams
+    max_new_tokens: int
+    stop: list[str]
+    speculate: bool
+    num_draft_tokens: int
+    drafter: str
+    stats: SpeculationStats = field(default_factory=SpeculationStats)
+
+
+def parse(request, config: AppConfig, tokenizer, *, max_context: int, vocab_size: int, drafters=DRAFTERS) -> Plan:
+    """Validate a GenerateRequest / GenerateStreamRequest; raise InvalidRequestError with an actionable message."""
+    request_id = request.request_id or uuid.uuid4().hex
+    if len(request_id) > MAX_REQUEST_ID_CHARS:
+        raise InvalidRequestError(f"request_id is longer than {MAX_REQUEST_ID_CHARS} characters")
+    messages = [(m.role, m.content) for m in request.messages]
+    prompt_ids = validate_prompt(
+        encode_prompt(tokenizer, request.prompt, messages), max_context=max_context, vocab_size=vocab_size
+    )
+    params = SamplingParams(
+        temperature=float(request.temperature),
+        top_k=int(request.top_k),
+        top_p=float(request.top_p) if request.HasField("top_p") else 1.0,
+        seed=int(request.seed) if request.HasField("seed") else None,
+    ).validate()
+    max_new_tokens = request.max_new_tokens or config.limits.default_max_new_tokens
+    validate_max_new_tokens(
+        max_new_tokens, prompt_len=len(prompt_ids), max_context=max_context, limit=config.limits.max_new_tokens
+    )
+    policy, defaults = request.speculation, config.speculation
+    mode = policy.mode
+    speculate = defaults.enabled if mode == pb.SpeculationPolicy.MODE_UNSPECIFIED else mode == pb.SpeculationPolicy.MODE_ON
+    k = policy.num_draft_tokens or defaults.num_draft_tokens
+    validate_num_draft_tokens(int(k))
+    drafter = policy.drafter or defaults.drafter
+    if drafter not in drafters:
+        raise InvalidRequestError(f"unknown drafter {drafter!r}; this server offers {list(drafters)}")
+    return Plan(
+        request_id=request_id,
+        session_id=f"{request_id}/{uuid.uuid4().hex[:12]}",
+        prompt_ids=prompt_ids,
+        params=params,
+        max_new_tokens=max_new_tokens,
+        stop=validate_stop(request.stop),
+        speculate=speculate,
+        num_draft_tokens=int(k),
+        drafter=drafter,
+    )
+
+
+def speculation_stats(plan: Plan) -> pb.SpeculationStats:
+    s = plan.stats
+    return pb.SpeculationStats(
+        steps=s.steps,
+        drafted=s.drafted,
+        accepted=s.accepted,
+        accepted_per_position=s.accepted_per_position,
+        enabled=plan.speculate,
+        drafter=plan.drafter if plan.speculate else "",
+        num_draft_tokens=plan.num_draft_tokens if plan.speculate else 0,
+    )
+
+
+def usage(plan: Plan, completion_tokens: int) -> pb.Usage:
+    return pb.Usage(prompt_tokens=len(plan.prompt_ids), completion_tokens=completion_tokens)

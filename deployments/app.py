@@ -1,0 +1,52 @@
+"""The application builder: ``import_path: deployments.app:build_app`` for `serve run` / `serve deploy`.
+
+    app = build_app({"stages": {"verify": {"num_replicas": 2}}})
+
+wires Prefill, Draft and Verify (each pinned by its placement, with the
+session-affinity router on the stateful two) under the gRPC ingress.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ray.serve import Application
+from ray.serve.config import RequestRouterConfig
+
+from deployments.config import AppConfig
+from deployments.ingress import SpecDecodeIngress
+from deployments.routing import ROUTER_CLASS
+from deployments.stages import Draft, Prefill, Verify
+
+GRPC_SERVICER = "splitspec.v1.splitspec_pb2_grpc.add_SpecDecodeServicer_to_server"
+# Serve's default health-check period is fine; replicas load models in their constructor.
+STAGE_DEPLOYMENTS = {"prefill": Prefill, "draft": Draft, "verify": Verify}
+
+
+def build_app(args: dict[str, Any] | None = None) -> Application:
+    config = AppConfig.model_validate(args or {})
+    plain = config.model_dump()
+    stages = {}
+    for name, deployment in STAGE_DEPLOYMENTS.items():
+        stage = config.stage(name)
+        placement = stage.placement
+        actor_options: dict[str, Any] = {"num_cpus": placement.num_cpus}
+        if placement.resources:
+            actor_options["resources"] = dict(placement.resources)
+        if placement.label_selector:
+            actor_options["label_selector"] = dict(placement.label_selector)
+        options: dict[str, Any] = {
+            "num_replicas": stage.num_replicas,
+            "max_ongoing_requests": stage.max_ongoing_requests,
+            "ray_actor_options": actor_options,
+        }
+        if name != "prefill":  # draft and verify hold sessions: pin each call to its replica
+            options["request_router_config"] = RequestRouterConfig(request_router_class=ROUTER_CLASS)
+        stages[name] = deployment.options(**options).bind(plain)
+    ingress = SpecDecodeIngress.options(
+        num_replicas=config.ingress_replicas,
+        max_ongoing_requests=config.limits.max_ongoing_requests,
+        max_queued_requests=config.limits.max_queued_requests,
+        ray_actor_options={"num_cpus": 0},
+    )
+    return ingress.bind(plain, stages["prefill"], stages["draft"], stages["verify"])

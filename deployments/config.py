@@ -1,0 +1,102 @@
+"""The application's typed config: what `serve run` / `serve deploy` pass to ``deployments.app:build_app``.
+
+A plain dict (from YAML) is validated here once; every field has a
+description, cross-field checks live in one validator.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from services.draft import DRAFTERS, MODEL_DRAFTER
+from services.validation import MAX_DRAFT_TOKENS, MIN_DRAFT_TOKENS
+
+STAGES = ("prefill", "draft", "verify")
+STAGE_LABEL = "splitspec.io/accelerator"  # node label key of the example cluster layout
+DEFAULT_APP_NAME = "splitspec"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Placement(_Strict):
+    """Where a stage's replicas may run: node labels and/or custom resources (both optional)."""
+
+    label_selector: dict[str, str] = Field(
+        default_factory=dict, description="Ray node label selector, e.g. {'splitspec.io/accelerator': 'verify'}"
+    )
+    resources: dict[str, float] = Field(
+        default_factory=dict, description="custom resources each replica requires, e.g. {'splitspec_verify': 1}"
+    )
+    num_cpus: float = Field(0.0, ge=0, description="logical CPUs reserved per replica (threads sets real use)")
+
+
+class StageConfig(_Strict):
+    num_replicas: int = Field(1, ge=1, description="replicas of this stage")
+    threads: int = Field(1, ge=1, description="torch intra-op threads per replica")
+    max_ongoing_requests: int = Field(16, ge=1, description="concurrent calls a replica accepts")
+    placement: Placement = Field(default_factory=Placement, description="hardware pinning of this stage")
+
+
+class SpeculationDefaults(_Strict):
+    enabled: bool = Field(True, description="speculate unless a request turns it off")
+    num_draft_tokens: int = Field(1, ge=MIN_DRAFT_TOKENS, le=MAX_DRAFT_TOKENS, description="default k")
+    drafter: str = Field(MODEL_DRAFTER, description=f"default drafter, one of {list(DRAFTERS)}")
+
+
+class Limits(_Strict):
+    max_new_tokens: int = Field(512, ge=1, description="largest max_new_tokens a request may ask for")
+    default_max_new_tokens: int = Field(128, ge=1, description="max_new_tokens when a request leaves it 0")
+    max_sessions: int = Field(64, ge=1, description="open sessions per draft / verify replica")
+    max_kv_bytes: int = Field(4 * 2**30, ge=1, description="KV bytes per draft / verify replica")
+    max_ongoing_requests: int = Field(16, ge=1, description="requests the ingress runs at once (per replica)")
+    max_queued_requests: int = Field(32, ge=0, description="requests waiting beyond that; more get RESOURCE_EXHAUSTED")
+    stage_timeout_s: float = Field(120.0, gt=0, description="one stage call; slower means UNAVAILABLE")
+    request_timeout_s: float = Field(600.0, gt=0, description="a whole request; longer means DEADLINE_EXCEEDED")
+
+
+class Models(_Strict):
+    target: str = Field("", description="target model folder (HF format); empty = the prepared default pair")
+    draft: str = Field("", description="draft model folder sharing the target's tokenizer; empty = default pair")
+    dtype: str = Field("float32", description="weights dtype: float32, bfloat16 or float16")
+
+
+class Stages(_Strict):
+    prefill: StageConfig = Field(default_factory=StageConfig)
+    draft: StageConfig = Field(default_factory=StageConfig)
+    verify: StageConfig = Field(default_factory=StageConfig)
+
+
+class AppConfig(_Strict):
+    """splitspec's Ray Serve application."""
+
+    models: Models = Field(default_factory=Models)
+    speculation: SpeculationDefaults = Field(default_factory=SpeculationDefaults)
+    limits: Limits = Field(default_factory=Limits)
+    stages: Stages = Field(default_factory=Stages)
+    ingress_replicas: int = Field(1, ge=1, description="replicas of the ingress (the loop runs there)")
+    placement_timeout_s: float = Field(30.0, gt=0, description="how long a stage may stay unplaced before it is reported")
+
+    @model_validator(mode="after")
+    def _check(self) -> "AppConfig":
+        if self.speculation.drafter not in DRAFTERS:
+            raise ValueError(f"speculation.drafter must be one of {list(DRAFTERS)}, got {self.speculation.drafter!r}")
+        if self.limits.default_max_new_tokens > self.limits.max_new_tokens:
+            raise ValueError("limits.default_max_new_tokens must not exceed limits.max_new_tokens")
+        if self.models.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"models.dtype must be float32, bfloat16 or float16, got {self.models.dtype!r}")
+        return self
+
+    def stage(self, name: str) -> StageConfig:
+        return getattr(self.stages, name)
+
+
+def local_placement(stage: str) -> Placement:
+    """One machine: each stage needs its own custom resource, which `splitspec serve` gives the node."""
+    return Placement(resources={f"splitspec_{stage}": 0.01})
+
+
+def labelled_placement(stage: str) -> Placement:
+    """A labelled cluster: each stage runs only on nodes labelled ``splitspec.io/accelerator=<stage>``."""
+    return Placement(label_selector={STAGE_LABEL: stage})

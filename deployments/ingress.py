@@ -1,0 +1,237 @@
+"""The ingress: gRPC methods of splitspec.v1.SpecDecode, running the speculative loop over the stage handles.
+
+Only token ids, draft distributions and a *reference* to the prefill's KV pass
+through here; the KV bytes go from the prefill replica to the verifier through
+the Ray object store.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+
+import ray
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+
+from deployments import api
+from deployments.config import AppConfig
+from deployments.placement import unplaceable
+from deployments.routing import pin
+from deployments.stages import model_dirs
+from deployments.status import RequestDeadlineError, StageUnavailableError, to_status
+from services.loading import check_tokenizers, describe
+from services.loop import StepOutput, finish_step
+from services.text import TextStream
+from splitspec.v1 import splitspec_pb2 as pb
+
+logger = logging.getLogger(__name__)
+
+PLACEMENT_CHECK_PERIOD_S = 2.0  # how often the ingress re-checks that every stage can be placed
+
+
+class _Timer:
+    def __init__(self):
+        self.start = time.perf_counter()
+        self.ttft_ms = 0.0
+        self.prefill_ms = 0.0
+        self.kv_handoff_ms = 0.0
+
+    def ms(self) -> float:
+        return (time.perf_counter() - self.start) * 1000
+
+    def timings(self) -> pb.Timings:
+        return pb.Timings(ttft_ms=self.ttft_ms, total_ms=self.ms(), prefill_ms=self.prefill_ms, kv_handoff_ms=self.kv_handoff_ms)
+
+
+@serve.deployment(name="SpecDecodeIngress")
+class SpecDecodeIngress:
+    def __init__(self, config: dict, prefill: DeploymentHandle, draft: DeploymentHandle, verify: DeploymentHandle):
+        self.config = AppConfig.model_validate(config)
+        self.prefill, self.draft, self.verify = prefill, draft, verify
+        target_dir, draft_dir = model_dirs(self.config)
+        check_tokenizers(target_dir, draft_dir)
+        self.target = describe(target_dir)
+        self.unplaceable: dict[str, str] = {}
+        self._check_placement()
+        self._watchdog = asyncio.get_event_loop().create_task(self._watch_placement())
+
+    # -- gRPC methods (names match the service's RPCs) ---------------------------------------------
+
+    async def Generate(self, request: pb.GenerateRequest, grpc_context) -> pb.GenerateResponse:
+        timer = _Timer()
+        try:
+            plan = self._plan(request)
+            text, token_ids, finish_reason = await asyncio.wait_for(
+                self._collect(plan, timer), timeout=self.config.limits.request_timeout_s
+            )
+        except Exception as exc:  # noqa: BLE001 - every error becomes a status here
+            self._fail(grpc_context, exc)
+        return pb.GenerateResponse(
+            request_id=plan.request_id,
+            text=text,
+            token_ids=token_ids,
+            finish_reason=api.FINISH_REASONS[finish_reason],
+            usage=api.usage(plan, len(token_ids)),
+            speculation_stats=api.speculation_stats(plan),
+            timings=timer.timings(),
+        )
+
+    async def GenerateStream(self, request: pb.GenerateStreamRequest, grpc_context) -> AsyncIterator[pb.GenerateStreamResponse]:
+        timer = _Timer()
+        deadline = time.monotonic() + self.config.limits.request_timeout_s
+        try:
+            plan = self._plan(request)
+            completion = 0
+            async for step, token_ids, text in self._text_steps(plan, timer):
+                if time.monotonic() > deadline:
+                    raise RequestDeadlineError(f"the request ran past {self.config.limits.request_timeout_s}s")
+                completion += len(token_ids)
+                chunk = pb.GenerateStreamResponse(
+                    request_id=plan.request_id,
+                    text=text,
+                    token_ids=token_ids,
+                    accepted_tokens=step.n_matches,
+                    drafted_tokens=step.n_drafted,
+                )
+                if step.finish_reason:
+                    chunk.finish_reason = api.FINISH_REASONS[step.finish_reason]
+                    chunk.usage.CopyFrom(api.usage(plan, completion))
+                    chunk.speculation_stats.CopyFrom(api.speculation_stats(plan))
+                    chunk.timings.CopyFrom(timer.timings())
+                yield chunk
+        except Exception as exc:  # noqa: BLE001
+            self._fail(grpc_context, exc)
+
+    # -- the loop ---------------------------------------------------------------------------------
+
+    def _plan(self, request) -> api.Plan:
+        if self.unplaceable:
+            raise StageUnavailableError("; ".join(self.unplaceable.values()))
+        return api.parse(request, self.config, self.target.tokenizer, max_context=self.target.max_context,
+                         vocab_size=self.target.vocab_size)
+
+    async def _collect(self, plan: api.Plan, timer: _Timer) -> tuple[str, list[int], str]:
+        text, token_ids, finish_reason = "", [], ""
+        async for step, ids, delta in self._text_steps(plan, timer):
+            text, token_ids, finish_reason = text + delta, token_ids + ids, step.finish_reason or finish_reason
+        return text, token_ids, finish_reason
+
+    async def _text_steps(self, plan: api.Plan, timer: _Timer) -> AsyncIterator[tuple[StepOutput, list[int], str]]:
+        """Each step's kept tokens and new text, cut at the first stop sequence (shared by both RPCs)."""
+        stream = TextStream(self.target.tokenizer, plan.stop)
+        steps = self._speculative_decode(plan, timer)
+        try:
+            async for step in steps:
+                ids, text = stream.push(step.token_ids)
+                if stream.stopped:
+                    step.finish_reason = api.FINISH_STOP_SEQUENCE
+                if step.finish_reason:
+                    text += stream.flush()
+                yield step, ids, text
+                if step.finish_reason:
+                    return
+        finally:
+            await steps.aclose()  # closes the draft and verify sessions
+
+    async def _speculative_decode(self, plan: api.Plan, timer: _Timer) -> AsyncIterator[StepOutput]:
+        """prefill -> (draft -> verify -> accept)*, one StepOutput per step, as services.loop does in-process."""
+        sid, params = plan.session_id, plan.params
+        # 1. prefill the target and, in parallel, start the draft session over the same prompt
+        prefilled = self.prefill.prefill.remote(plan.prompt_ids, params)
+        started = self.draft.start.remote(sid, plan.prompt_ids, params, plan.drafter) if plan.speculate else None
+        draft = verify = None
+        try:
+            handoff = await self._call("prefill", prefilled)
+            timer.prefill_ms = timer.ms()
+            if started is not None:
+                draft = self.draft.options(session_id=pin((await self._call("draft", started)).replica_id))
+            # 2. hand the verifier the KV *reference*; it resolves the bytes from the object store
+            opened = await self._call("verify", self.verify.open.remote(sid, handoff, params))
+            verify = self.verify.options(session_id=pin(opened.replica_id))
+            timer.kv_handoff_ms = opened.handoff_ms
+            first_token = handoff.first_token
+            del handoff  # the last reference here: the object store frees the KV once the verifier holds it
+            timer.ttft_ms = timer.ms()
+            generated, step = 0, StepOutput([first_token])
+            accept = (0, first_token)  # the drafter continues from prefill's token
+            while True:
+                step, generated = finish_step(step, generated, plan.max_new_tokens, self.target.eos_token_ids)
+                yield step
+                if step.finish_reason:
+                    return
+                k = min(plan.num_draft_tokens, plan.max_new_tokens - generated - 1) if draft else 0
+                # 3. draft k tokens (the drafter first rolls back to the last accepted token)
+                proposal = await self._call("draft", draft.propose.remote(sid, k, accept)) if k > 0 else None
+                draft_ids = proposal.token_ids if proposal else []
+                # 4. verify them in one target pass
+                verdict = await self._call("verify", verify.verify.remote(sid, draft_ids, proposal.probs if proposal else None))
+                # 5. accept: emit the accepted tokens + the recovered or bonus token
+                accept = (verdict.n_matches, verdict.token_ids[-1])
+                step = StepOutput(verdict.token_ids, len(draft_ids), verdict.n_matches, verdict.accepted)
+                plan.stats.add(step)
+        finally:
+            # close both sessions without waiting (also when the client went away)
+            if verify is not None:
+                verify.close.remote(sid)
+            if draft is not None:
+                draft.close.remote(sid)
+            elif started is not None:
+                self._close_when_started(sid, started)
+
+    async def _call(self, stage: str, response):
+        """Await a stage call; a stage that does not answer in time is UNAVAILABLE, not a hang."""
+        if stage in self.unplaceable:
+            raise StageUnavailableError(self.unplaceable[stage])
+        timeout = self.config.limits.stage_timeout_s
+        try:
+            return await asyncio.wait_for(_awaited(response), timeout=timeout)
+        except asyncio.TimeoutError:
+            response.cancel()
+            raise StageUnavailableError(f"stage {stage!r} did not answer within {timeout:g}s") from None
+
+    def _close_when_started(self, sid: str, started) -> None:
+        async def close():
+            try:
+                opened = await started
+                self.draft.options(session_id=pin(opened.replica_id)).close.remote(sid)
+            except Exception:  # noqa: BLE001 - the session never opened
+                pass
+
+        asyncio.get_running_loop().create_task(close())
+
+    def _fail(self, grpc_context, exc: Exception):
+        code, message = to_status(exc)
+        grpc_context.set_code(code)
+        grpc_context.set_details(message)
+        raise exc  # Serve keeps a status set before raising (a plain return would report OK)
+
+    # -- fail fast on stages that no node can host ---------------------------------------------
+
+    def _check_placement(self) -> None:
+        problems = unplaceable(self.config, ray.nodes())
+        if problems != self.unplaceable:
+            for why in problems.values():
+                logger.error("%s; requests get UNAVAILABLE until such a node joins", why)
+            self.unplaceable = problems
+
+    async def _watch_placement(self) -> None:
+        while True:
+            await asyncio.sleep(PLACEMENT_CHECK_PERIOD_S)
+            try:
+                await asyncio.get_running_loop().run_in_executor(None, self._check_placement)
+            except Exception:  # noqa: BLE001 - keep watching
+                logger.exception("placement check failed")
+
+    async def check_health(self) -> None:
+        return None
+
+    async def placement_problems(self) -> dict[str, str]:
+        """{stage: why} for stages no alive node can host (empty when all can be placed)."""
+        return dict(self.unplaceable)
+
+
+async def _awaited(response):
+    return await response

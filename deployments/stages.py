@@ -1,0 +1,165 @@
+"""The three stage deployments: thin Ray Serve shells around the services/ engines.
+
+Each replica owns one engine and runs every engine call on one worker thread
+(the engines are not thread-safe, and the event loop stays free to take the
+next call); torch uses ``threads`` cores. Placement (labels / resources),
+replicas and the router are set by ``deployments.app`` from the config.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import ray
+from ray import serve
+
+from deployments.config import AppConfig
+from services.draft import DraftEngine, DraftProposal
+from services.loading import LoadedModel, config_of, load_causal_lm, set_num_threads
+from services.prefill import PrefillEngine
+from services.sampling import SamplingParams
+from services.verify import VerifyEngine, VerifyResult
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class KVHandoff:
+    """What prefill returns: the first token and a *reference* to the KV in the object store."""
+
+    first_token: int
+    kv_refs: list  # [ObjectRef[KVPayload]]: in a list so that Ray passes the reference, not the bytes
+    kv_bytes: int
+    put_at: float  # time.time() when the KV was put (the handoff latency starts here)
+    prefill_node: str  # node id of the prefill replica
+
+
+@dataclass
+class SessionOpened:
+    replica_id: str  # pin every later call of the session here (deployments.routing.pin)
+    node_id: str
+    handoff_ms: float = 0.0  # KV put -> resolved by the verifier
+    resolved_bytes: int = 0
+
+
+def model_dirs(config: AppConfig) -> tuple[Path, Path]:
+    """The configured model folders, or the prepared default pair."""
+    from services.models import default_pair
+
+    target = Path(config.models.target) if config.models.target else default_pair.target_dir()
+    draft = Path(config.models.draft) if config.models.draft else default_pair.drafter_dir()
+    return target, draft
+
+
+def load_target(config: AppConfig) -> LoadedModel:
+    return load_causal_lm(model_dirs(config)[0], dtype=config.models.dtype)
+
+
+def _identity() -> tuple[str, str]:
+    return serve.get_replica_context().replica_id.unique_id, ray.get_runtime_context().get_node_id()
+
+
+class _Stage:
+    """One engine, one worker thread."""
+
+    stage = ""
+
+    def __init__(self, config: dict):
+        self.config = AppConfig.model_validate(config)
+        set_num_threads(self.config.stage(self.stage).threads)
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"splitspec-{self.stage}")
+
+    async def _run(self, fn: Callable, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    def check_health(self) -> None:  # Serve calls this periodically; the engine holds no external state
+        return None
+
+
+@serve.deployment(name="Prefill")
+class Prefill(_Stage):
+    """Stateless prefill of the target; the KV goes into the object store, its reference comes back."""
+
+    stage = "prefill"
+
+    def __init__(self, config: dict):
+        super().__init__(config)
+        self.engine = PrefillEngine(load_target(self.config))
+
+    async def prefill(self, prompt_ids: list[int], params: SamplingParams) -> KVHandoff:
+        result = await self._run(self.engine.prefill, prompt_ids, params)
+        put_at = time.time()
+        ref = ray.put(result.payload)  # zero-copy for a verifier on this node; one transfer to another node
+        return KVHandoff(result.first_token, [ref], result.payload.nbytes, put_at, ray.get_runtime_context().get_node_id())
+
+
+@serve.deployment(name="Draft")
+class Draft(_Stage):
+    """Draft sessions (draft model or prompt lookup), pinned to this replica."""
+
+    stage = "draft"
+
+    def __init__(self, config: dict):
+        super().__init__(config)
+        target_dir, draft_dir = model_dirs(self.config)
+        target_config = config_of(target_dir)  # the pair itself is checked by the ingress
+        self.engine = DraftEngine(
+            load_causal_lm(draft_dir, dtype=self.config.models.dtype),
+            max_sessions=self.config.limits.max_sessions,
+            max_kv_bytes=self.config.limits.max_kv_bytes,
+            max_context=getattr(target_config, "max_position_embeddings", None),
+        )
+
+    async def start(self, request_id: str, prompt_ids: list[int], params: SamplingParams, drafter: str) -> SessionOpened:
+        await self._run(self.engine.start, request_id, prompt_ids, params, drafter)
+        return SessionOpened(*_identity())
+
+    async def propose(self, request_id: str, k: int, accept: tuple[int, int] | None = None) -> DraftProposal:
+        """Accept the last verdict (``(n_matches, next_token)``: roll back to it), then draft k tokens."""
+        def step():
+            if accept is not None:
+                self.engine.accept(request_id, *accept)
+            return self.engine.propose(request_id, k)
+
+        return await self._run(step)
+
+    async def close(self, request_id: str) -> None:
+        await self._run(self.engine.close, request_id)
+
+    async def stats(self) -> dict:
+        return {"sessions": len(self.engine.sessions), "kv_bytes": self.engine.sessions.kv_bytes}
+
+
+@serve.deployment(name="Verify")
+class Verify(_Stage):
+    """Verify sessions of the target, opened from a prefill's KV reference and pinned to this replica."""
+
+    stage = "verify"
+
+    def __init__(self, config: dict):
+        super().__init__(config)
+        self.engine = VerifyEngine(
+            load_target(self.config), max_sessions=self.config.limits.max_sessions, max_kv_bytes=self.config.limits.max_kv_bytes
+        )
+
+    async def open(self, request_id: str, handoff: KVHandoff, params: SamplingParams) -> SessionOpened:
+        (ref,) = handoff.kv_refs
+        payload = await ref  # resolved here, in the verifier: the ingress only ever held the reference
+        handoff_ms = (time.time() - handoff.put_at) * 1000
+        await self._run(self.engine.open, request_id, payload, handoff.first_token, params)
+        return SessionOpened(*_identity(), handoff_ms=handoff_ms, resolved_bytes=payload.nbytes)
+
+    async def verify(self, request_id: str, draft_ids: list[int], draft_probs=None) -> VerifyResult:
+        return await self._run(self.engine.verify, request_id, draft_ids, draft_probs)
+
+    async def close(self, request_id: str) -> None:
+        await self._run(self.engine.close, request_id)
+
+    async def stats(self) -> dict:
+        return {"sessions": len(self.engine.sessions), "kv_bytes": self.engine.sessions.kv_bytes}

@@ -1,0 +1,108 @@
+"""Text in and out: prompts and chat messages to token ids; generated tokens to text, cut at stop sequences.
+
+``TextStream`` is shared by the unary and the streaming API so that stream
+chunks concatenate to exactly the unary answer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from services.errors import InvalidRequestError
+
+REPLACEMENT_CHAR = "\ufffd"  # what decode() yields for an incomplete UTF-8 sequence
+CHAT_ROLES = ("system", "user", "assistant")
+MAX_STOP_SEQUENCES = 8
+
+
+def encode_prompt(tokenizer, prompt: str, messages: Sequence[tuple[str, str]]) -> list[int]:
+    """Token ids of raw ``prompt`` text (tokenizer defaults) or of chat ``messages`` (chat template)."""
+    if prompt and messages:
+        raise InvalidRequestError("set either prompt or messages, not both")
+    if messages:
+        for role, content in messages:
+            if role not in CHAT_ROLES:
+                raise InvalidRequestError(f"chat message role must be one of {list(CHAT_ROLES)}, got {role!r}")
+            if not content:
+                raise InvalidRequestError(f"chat message of role {role!r} has no content")
+        chat = [{"role": role, "content": content} for role, content in messages]
+        ids = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)
+        ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+        return [int(t) for t in ids]
+    if not prompt:
+        raise InvalidRequestError("prompt is empty: send prompt text or chat messages")
+    return [int(t) for t in tokenizer(prompt)["input_ids"]]
+
+
+def validate_stop(stop: Sequence[str]) -> list[str]:
+    stop = list(stop)
+    if len(stop) > MAX_STOP_SEQUENCES:
+        raise InvalidRequestError(f"at most {MAX_STOP_SEQUENCES} stop sequences are allowed, got {len(stop)}")
+    if any(not s for s in stop):
+        raise InvalidRequestError("stop sequences must not be empty strings")
+    return stop
+
+
+class TextStream:
+    """Detokenise generated tokens incrementally and stop at the first stop sequence.
+
+    ``push(tokens)`` takes one step's tokens and returns (the tokens kept, new
+    text that is safe to emit); text that may still become a stop sequence or
+    an incomplete UTF-8 character is held back until ``flush()``.
+    """
+
+    def __init__(self, tokenizer, stop: Sequence[str] = ()):
+        self.tokenizer = tokenizer
+        self.stop = validate_stop(stop)
+        self.token_ids: list[int] = []
+        self.text = ""  # text emitted so far
+        self.stopped = False  # a stop sequence was generated
+
+    def push(self, token_ids: Sequence[int]) -> tuple[list[int], str]:
+        if self.stopped:
+            return [], ""
+        kept: list[int] = []
+        for token in token_ids:  # one at a time: a stop sequence ends at a token boundary
+            self.token_ids.append(int(token))
+            kept.append(int(token))
+            if self.stop and self._cut_at_stop():
+                return kept, self._emit(self._stop_text)
+        return kept, self._emit(self._safe_text())
+
+    def flush(self) -> str:
+        """The held-back rest, once generation has finished."""
+        if self.stopped:
+            return ""
+        return self._emit(self._decode())
+
+    def _decode(self) -> str:
+        return self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
+
+    def _cut_at_stop(self) -> bool:
+        text = self._decode()
+        starts = [i for i in (text.find(s, max(0, len(self.text) - len(s))) for s in self.stop) if i >= 0]
+        if not starts:
+            return False
+        self.stopped = True
+        self._stop_text = text[: min(starts)]
+        return True
+
+    def _safe_text(self) -> str:
+        text = self._decode()
+        end = len(text)
+        while end > len(self.text) and text[end - 1] == REPLACEMENT_CHAR:
+            end -= 1  # an incomplete character: wait for its next bytes
+        hold = 0
+        for s in self.stop:  # the longest tail that could still grow into a stop sequence
+            for n in range(min(len(s) - 1, end), 0, -1):
+                if text[end - n : end] == s[:n]:
+                    hold = max(hold, n)
+                    break
+        return text[: end - hold]
+
+    def _emit(self, text: str) -> str:
+        if len(text) <= len(self.text):
+            return ""
+        delta = text[len(self.text) :]
+        self.text = text
+        return delta

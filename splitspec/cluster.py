@@ -1,0 +1,138 @@
+"""Start a local Ray cluster for splitspec and deploy the app on it (used by `splitspec serve` and the tests).
+
+``nodes=1``: one node that carries every stage's resource. ``nodes=3``: a head
+node (ingress, proxy, controller) plus three nodes labelled
+``splitspec.io/accelerator=prefill|draft|verify``, so each stage runs on its
+own node and the KV crosses nodes through the object store, as on a real
+multi-node cluster.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+
+from deployments.config import DEFAULT_APP_NAME, STAGE_LABEL, STAGES, AppConfig, labelled_placement, local_placement
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_GRPC_PORT = 9000
+LOCAL_HOST = "127.0.0.1"
+NODE_CPUS = 8  # logical CPUs per local node: replicas reserve 0; real cores are set by each stage's threads
+OBJECT_STORE_BYTES = 512 * 2**20
+APP_POLL_S = 0.5
+
+
+def ray_env() -> None:
+    """Set what every Ray process we start must inherit (Ray 2.60 mixes token auth between nodes otherwise)."""
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+
+
+class PlacementError(RuntimeError):
+    """Some stage cannot run on this cluster (its label or resource is on no node)."""
+
+    def __init__(self, problems: dict[str, str]):
+        self.problems = problems
+        super().__init__("; ".join(problems.values()))
+
+
+def placements_for(nodes: int, config: AppConfig) -> AppConfig:
+    """The config with each stage pinned the way a local cluster of ``nodes`` nodes offers."""
+    data = config.model_dump()
+    for stage in STAGES:
+        place = labelled_placement(stage) if nodes > 1 else local_placement(stage)
+        data["stages"][stage]["placement"] = place.model_dump()
+    return AppConfig.model_validate(data)
+
+
+@dataclass
+class LocalCluster:
+    nodes: int = 1
+    dashboard: bool = True
+    metrics_export_port: int | None = None
+    _cluster: object = field(default=None, repr=False)
+    dashboard_url: str = ""
+
+    def start(self) -> "LocalCluster":
+        import ray
+
+        ray_env()
+        if self.nodes not in (1, 3):
+            raise ValueError("a local cluster has 1 node or 3 nodes (one per stage)")
+        head = dict(num_cpus=NODE_CPUS, object_store_memory=OBJECT_STORE_BYTES, include_dashboard=self.dashboard,
+                    dashboard_host=LOCAL_HOST)
+        if self.metrics_export_port:
+            head["metrics_export_port"] = self.metrics_export_port
+        if self.nodes == 1:
+            context = ray.init(resources={f"splitspec_{s}": 1 for s in STAGES}, **head)
+        else:
+            from ray.cluster_utils import Cluster
+
+            self._cluster = Cluster(initialize_head=True, head_node_args=head)
+            for stage in STAGES:
+                self._cluster.add_node(num_cpus=NODE_CPUS, object_store_memory=OBJECT_STORE_BYTES,
+                                       resources={f"splitspec_{stage}": 1}, labels={STAGE_LABEL: stage})
+            context = ray.init(address=self._cluster.address)
+        self.dashboard_url = context.dashboard_url or ""
+        return self
+
+    def stop(self) -> None:
+        import ray
+        from ray import serve
+
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()
+            if self._cluster is not None:
+                self._cluster.shutdown()
+                self._cluster = None
+
+    def __enter__(self) -> "LocalCluster":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def start_serve(grpc_port: int = DEFAULT_GRPC_PORT) -> None:
+    """Start Serve's proxies with splitspec's gRPC service (HTTP stays on 127.0.0.1)."""
+    from ray import serve
+    from ray.serve.config import gRPCOptions
+
+    from deployments.app import GRPC_SERVICER
+
+    serve.start(
+        http_options={"host": LOCAL_HOST, "port": 0},
+        grpc_options=gRPCOptions(port=grpc_port, grpc_servicer_functions=[GRPC_SERVICER]),
+    )
+
+
+def deploy(config: AppConfig, *, name: str = DEFAULT_APP_NAME, route_prefix: str | None = "/", timeout_s: float = 600.0) -> None:
+    """Deploy the app and wait until it runs; raise PlacementError naming any stage no node can host."""
+    import ray
+    from ray import serve
+    from ray.serve.api import RunTarget
+
+    from deployments.app import build_app
+    from deployments.placement import unplaceable
+
+    serve.run_many([RunTarget(build_app(config.model_dump()), name=name, route_prefix=route_prefix)],
+                   wait_for_applications_running=False)
+    start = time.monotonic()
+    while True:
+        problems = unplaceable(config, ray.nodes())
+        if problems and time.monotonic() - start >= min(config.placement_timeout_s, timeout_s):
+            raise PlacementError(problems)
+        status = serve.status().applications.get(name)
+        if status is not None and status.status == "RUNNING":
+            return
+        if status is not None and status.status == "DEPLOY_FAILED":
+            raise RuntimeError(f"application {name!r} failed to deploy: {status.message}")
+        if time.monotonic() - start > timeout_s:
+            raise TimeoutError(f"application {name!r} not running after {timeout_s:g}s: {status.message if status else ''}")
+        time.sleep(APP_POLL_S)
