@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from collections.abc import AsyncIterator
 
 import ray
@@ -30,6 +31,7 @@ from splitspec.v1 import splitspec_pb2 as pb
 logger = logging.getLogger(__name__)
 
 PLACEMENT_CHECK_PERIOD_S = 2.0  # how often the ingress re-checks that every stage can be placed
+RECENT_HANDOFFS = 64  # KV handoffs remembered for `recent_handoffs` (placement checks, debugging)
 
 
 class _Timer:
@@ -55,6 +57,7 @@ class SpecDecodeIngress:
         check_tokenizers(target_dir, draft_dir)
         self.target = describe(target_dir)
         self.unplaceable: dict[str, str] = {}
+        self.handoffs: deque[dict] = deque(maxlen=RECENT_HANDOFFS)
         self._check_placement()
         self._watchdog = asyncio.get_event_loop().create_task(self._watch_placement())
 
@@ -153,6 +156,14 @@ class SpecDecodeIngress:
             verify = self.verify.options(session_id=pin(opened.replica_id))
             timer.kv_handoff_ms = opened.handoff_ms
             first_token = handoff.first_token
+            self.handoffs.append({
+                "kv_held_as": type(handoff.kv_refs[0]).__name__,  # ObjectRef: the ingress never resolves it
+                "kv_bytes": handoff.kv_bytes,
+                "prefill_node": handoff.prefill_node,
+                "verify_node": opened.node_id,
+                "resolved_bytes": opened.resolved_bytes,
+                "handoff_ms": opened.handoff_ms,
+            })
             del handoff  # the last reference here: the object store frees the KV once the verifier holds it
             timer.ttft_ms = timer.ms()
             generated, step = 0, StepOutput([first_token])
@@ -227,6 +238,10 @@ class SpecDecodeIngress:
 
     async def check_health(self) -> None:
         return None
+
+    async def recent_handoffs(self) -> list[dict]:
+        """Where the last KV handoffs went: prefill node, verify node, bytes, and what the ingress held."""
+        return list(self.handoffs)
 
     async def placement_problems(self) -> dict[str, str]:
         """{stage: why} for stages no alive node can host (empty when all can be placed)."""

@@ -74,6 +74,12 @@ class _Stage:
         self.config = AppConfig.model_validate(config)
         set_num_threads(self.config.stage(self.stage).threads)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"splitspec-{self.stage}")
+        self.opened = 0  # sessions opened on this replica
+
+    def _stats(self) -> dict:
+        """This replica's sessions: open now, opened in all, KV bytes held."""
+        sessions = self.engine.sessions
+        return {"replica_id": _identity()[0], "sessions": len(sessions), "opened": self.opened, "kv_bytes": sessions.kv_bytes}
 
     async def _run(self, fn: Callable, *args):
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
@@ -118,6 +124,7 @@ class Draft(_Stage):
 
     async def start(self, request_id: str, prompt_ids: list[int], params: SamplingParams, drafter: str) -> SessionOpened:
         await self._run(self.engine.start, request_id, prompt_ids, params, drafter)
+        self.opened += 1
         return SessionOpened(*_identity())
 
     async def propose(self, request_id: str, k: int, accept: tuple[int, int] | None = None) -> DraftProposal:
@@ -133,7 +140,7 @@ class Draft(_Stage):
         await self._run(self.engine.close, request_id)
 
     async def stats(self) -> dict:
-        return {"sessions": len(self.engine.sessions), "kv_bytes": self.engine.sessions.kv_bytes}
+        return self._stats()
 
 
 @serve.deployment(name="Verify")
@@ -153,6 +160,7 @@ class Verify(_Stage):
         payload = await ref  # resolved here, in the verifier: the ingress only ever held the reference
         handoff_ms = (time.time() - handoff.put_at) * 1000
         await self._run(self.engine.open, request_id, payload, handoff.first_token, params)
+        self.opened += 1
         return SessionOpened(*_identity(), handoff_ms=handoff_ms, resolved_bytes=payload.nbytes)
 
     async def verify(self, request_id: str, draft_ids: list[int], draft_probs=None) -> VerifyResult:
@@ -162,4 +170,4 @@ class Verify(_Stage):
         await self._run(self.engine.close, request_id)
 
     async def stats(self) -> dict:
-        return {"sessions": len(self.engine.sessions), "kv_bytes": self.engine.sessions.kv_bytes}
+        return self._stats()

@@ -61,11 +61,13 @@ def cmd_generate_local(args) -> int:
 
     target, draft = _load_pair(args)
     ids = chat_ids(target.tokenizer, args.prompt)
-    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
-    engines = PrefillEngine(target), (DraftEngine(draft) if args.k > 0 else None), VerifyEngine(target)
+    k = 1 if args.k is None else args.k
+    params = SamplingParams(temperature=args.temperature, top_p=1.0 if args.top_p is None else args.top_p,
+                            top_k=args.top_k, seed=args.seed)
+    engines = PrefillEngine(target), (DraftEngine(draft) if k > 0 else None), VerifyEngine(target)
     tokens, drafted, accepted = [], 0, 0
-    for step in speculative_decode(*engines, ids, max_new_tokens=args.max_new_tokens, num_draft_tokens=max(args.k, 1),
-                                   params=params, drafter=args.drafter):
+    for step in speculative_decode(*engines, ids, max_new_tokens=args.max_new_tokens, num_draft_tokens=max(k, 1),
+                                   params=params, drafter=args.drafter or "model"):
         before = target.tokenizer.decode(tokens, skip_special_tokens=True)
         tokens += step.token_ids
         sys.stdout.write(target.tokenizer.decode(tokens, skip_special_tokens=True)[len(before):])
@@ -73,6 +75,102 @@ def cmd_generate_local(args) -> int:
         drafted, accepted = drafted + step.n_drafted, accepted + step.n_matches
     rate = accepted / drafted if drafted else 0.0
     print(f"\n\n[{len(tokens)} tokens, drafted {drafted}, accepted {accepted} ({rate:.0%})]")
+    return 0
+
+
+def _load_config(path: str | None):
+    import yaml
+
+    from deployments.config import AppConfig
+
+    if not path:
+        return AppConfig()
+    data = yaml.safe_load(Path(path).read_text()) or {}
+    if "applications" in data:  # a Serve config file: take splitspec's application args
+        data = data["applications"][0].get("args", {})
+    return AppConfig.model_validate(data)
+
+
+def cmd_serve(args) -> int:
+    import signal
+    import threading
+
+    from splitspec import cluster
+    from splitspec.v1 import splitspec_pb2  # noqa: F401 - fail here, not in the proxy, if the stubs are broken
+
+    config = _load_config(args.config)
+    if not config.models.target or not config.models.draft:
+        from services.models import default_pair
+
+        default_pair.prepare()
+    if args.address:
+        import ray
+
+        cluster.ray_env()
+        ray.init(address=args.address)
+        local = None
+        dashboard = ""
+    else:
+        config = cluster.placements_for(args.nodes, config)
+        local = cluster.LocalCluster(nodes=args.nodes, dashboard=not args.no_dashboard).start()
+        dashboard = local.dashboard_url
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        cluster.start_serve(args.grpc_port)
+        print(f"deploying {args.app_name!r} ({args.nodes if local else 'existing'} node cluster); models load in the replicas ...",
+              flush=True)
+        cluster.deploy(config, name=args.app_name)
+        print(f"splitspec is serving gRPC on 127.0.0.1:{args.grpc_port} (service splitspec.v1.SpecDecode)", flush=True)
+        if dashboard:
+            print(f"Ray dashboard: http://{dashboard}", flush=True)
+        print("Ctrl-C stops it.", flush=True)
+        stop.wait()
+    except KeyboardInterrupt:
+        pass
+    except cluster.PlacementError as exc:
+        for why in exc.problems.values():
+            print(f"error: {why}", file=sys.stderr)
+        return 2
+    finally:
+        print("stopping ...", flush=True)
+        if local is not None:
+            local.stop()
+    return 0
+
+
+def cmd_generate(args) -> int:
+    import grpc
+
+    from splitspec.client import SpecDecodeClient
+
+    if args.local:
+        return cmd_generate_local(args)
+    kwargs = dict(
+        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+        seed=args.seed, stop=args.stop or (), num_draft_tokens=args.k or 0, drafter=args.drafter or "",
+        speculate=False if args.k == 0 else None,
+    )
+    if args.raw:
+        kwargs["prompt"] = args.prompt
+    else:
+        kwargs["messages"] = [("user", args.prompt)]
+    with SpecDecodeClient(args.address, application=args.app_name) as client:
+        try:
+            last = None
+            for chunk in client.stream(**kwargs):
+                sys.stdout.write(chunk.text)
+                sys.stdout.flush()
+                last = chunk
+        except grpc.RpcError as exc:
+            print(f"\nerror: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            return 1
+    s, t = last.speculation_stats, last.timings
+    rate = s.accepted / s.drafted if s.drafted else 0.0
+    mode = f"drafter {s.drafter}, k={s.num_draft_tokens}" if s.enabled else "speculation off"
+    print(f"\n\n[{last.usage.completion_tokens} tokens in {t.total_ms / 1000:.2f}s; {mode}; steps {s.steps}, "
+          f"drafted {s.drafted}, accepted {s.accepted} ({rate:.0%}); ttft {t.ttft_ms:.0f} ms, "
+          f"KV handoff {t.kv_handoff_ms:.1f} ms]")
     return 0
 
 
@@ -105,18 +203,32 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--json", help="also write the report as JSON here")
     engine.set_defaults(fn=cmd_bench_engine)
 
-    gen = sub.add_parser("generate", help="generate an answer (in-process engine with --local)")
+    serve = sub.add_parser("serve", help="start a local Ray cluster and serve splitspec over gRPC")
+    serve.add_argument("--config", help="app config YAML (deployments.config.AppConfig, or a Serve config file)")
+    serve.add_argument("--nodes", type=int, default=1, choices=[1, 3],
+                       help="local Ray nodes: 1, or 3 labelled prefill / draft / verify (plus a head node)")
+    serve.add_argument("--address", help="deploy onto this existing Ray cluster (e.g. auto) with the config's placement")
+    serve.add_argument("--grpc-port", type=int, default=9000)
+    serve.add_argument("--app-name", default="splitspec")
+    serve.add_argument("--no-dashboard", action="store_true", help="do not start the Ray dashboard")
+    serve.set_defaults(fn=cmd_serve)
+
+    gen = sub.add_parser("generate", help="generate an answer through the gRPC service (or in-process with --local)")
     gen.add_argument("prompt")
-    gen.add_argument("--local", action="store_true", required=True, help="run the engine in this process")
+    gen.add_argument("--address", default="127.0.0.1:9000", help="the service's gRPC address")
+    gen.add_argument("--app-name", help="Serve application to call (needed only with several apps)")
+    gen.add_argument("--raw", action="store_true", help="send the prompt as raw text, not as a chat message")
+    gen.add_argument("--local", action="store_true", help="run the engine in this process instead")
     _model_args(gen)
     gen.add_argument("--max-new-tokens", type=int, default=128)
-    gen.add_argument("--k", type=int, default=3, help="draft tokens per step (0 = speculation off)")
-    gen.add_argument("--drafter", default="model", choices=["model", "prompt_lookup"])
+    gen.add_argument("--k", type=int, default=None, help="draft tokens per step (0 = speculation off; default: server's)")
+    gen.add_argument("--drafter", choices=["model", "prompt_lookup"], help="default: the server's")
     gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-p", type=float, default=None)
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--seed", type=int)
-    gen.set_defaults(fn=cmd_generate_local)
+    gen.add_argument("--stop", action="append", help="stop sequence (repeatable)")
+    gen.set_defaults(fn=cmd_generate)
     return parser
 
 

@@ -1,0 +1,32 @@
+"""Unplaceable stages are named with the missing label or resource; placeable ones are not."""
+
+from deployments.config import AppConfig
+from deployments.placement import unplaceable
+from splitspec.cluster import placements_for
+
+
+def _node(labels=None, resources=None, alive=True):
+    return {"Alive": alive, "Labels": labels or {}, "Resources": {"CPU": 8, **(resources or {})}}
+
+
+def test_local_layout_places_every_stage():
+    config = placements_for(1, AppConfig())
+    assert unplaceable(config, [_node(resources={f"splitspec_{s}": 1 for s in ("prefill", "draft", "verify")})]) == {}
+
+
+def test_missing_label_names_stage_and_label():
+    config = placements_for(3, AppConfig())
+    nodes = [_node({"splitspec.io/accelerator": "prefill"}), _node({"splitspec.io/accelerator": "draft"}),
+             _node({"splitspec.io/accelerator": "verify"}, alive=False)]
+    problems = unplaceable(config, nodes)
+    assert list(problems) == ["verify"]
+    assert "'verify'" in problems["verify"] and "splitspec.io/accelerator=verify" in problems["verify"]
+
+
+def test_missing_resource_and_selector_syntax():
+    data = AppConfig().model_dump()
+    data["stages"]["draft"]["placement"] = {"resources": {"tpu_like": 1}}
+    data["stages"]["prefill"]["placement"] = {"label_selector": {"zone": "in(a,b)"}}
+    data["stages"]["verify"]["placement"] = {"label_selector": {"zone": "!a"}}
+    problems = unplaceable(AppConfig.model_validate(data), [_node({"zone": "a"})])
+    assert set(problems) == {"draft", "verify"} and "tpu_like" in problems["draft"]

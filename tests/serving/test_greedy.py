@@ -1,0 +1,54 @@
+"""Through gRPC, greedy output equals the target alone, for both drafters, k in {1, 3, 5} and speculation off."""
+
+import pytest
+
+from splitspec.v1 import splitspec_pb2 as pb
+from tests.serving.conftest import MAX_NEW_TOKENS, PROMPTS, serving, test_config
+
+pytestmark = pytest.mark.slow
+
+POLICIES = [dict(speculate=False)] + [
+    dict(speculate=True, drafter=drafter, num_draft_tokens=k) for drafter in ("model", "prompt_lookup") for k in (1, 3, 5)
+]
+
+
+@pytest.fixture(scope="module")
+def client():
+    with serving(test_config()) as client:
+        yield client
+
+
+@pytest.mark.parametrize("policy", POLICIES, ids=lambda p: "off" if not p["speculate"] else f"{p['drafter']}-k{p['num_draft_tokens']}")
+def test_greedy_equals_target_alone(client, reference, policy):
+    for prompt in PROMPTS:
+        response = client.generate(messages=[("user", prompt)], max_new_tokens=MAX_NEW_TOKENS, **policy)
+        assert list(response.token_ids) == reference(prompt), prompt
+        stats = response.speculation_stats
+        assert stats.enabled == policy["speculate"]
+        assert stats.accepted <= stats.drafted
+        assert response.usage.completion_tokens == len(response.token_ids)
+
+
+def test_stream_concatenates_to_unary_and_echoes_id(client):
+    for i, prompt in enumerate(PROMPTS[:4]):
+        kwargs = dict(messages=[("user", prompt)], max_new_tokens=MAX_NEW_TOKENS, num_draft_tokens=3)
+        unary = client.generate(request_id=f"u-{i}", **kwargs)
+        chunks = list(client.stream(request_id=f"s-{i}", **kwargs))
+        assert unary.request_id == f"u-{i}" and {c.request_id for c in chunks} == {f"s-{i}"}
+        assert "".join(c.text for c in chunks) == unary.text
+        assert [t for c in chunks for t in c.token_ids] == list(unary.token_ids)
+        assert [c.finish_reason for c in chunks[:-1]] == [pb.FINISH_REASON_UNSPECIFIED] * (len(chunks) - 1)
+        assert chunks[-1].finish_reason == unary.finish_reason != pb.FINISH_REASON_UNSPECIFIED
+        assert sum(c.accepted_tokens for c in chunks) == unary.speculation_stats.accepted
+
+
+def test_stop_sequence_and_raw_prompt(client, target_info):
+    full = client.generate(messages=[("user", "Count from 1 to 10.")], max_new_tokens=40)
+    assert "4" in full.text
+    cut = client.generate(messages=[("user", "Count from 1 to 10.")], max_new_tokens=40, stop=["4"])
+    assert cut.finish_reason == pb.FINISH_REASON_STOP_SEQUENCE
+    assert cut.text == full.text[: full.text.index("4")]
+    streamed = list(client.stream(messages=[("user", "Count from 1 to 10.")], max_new_tokens=40, stop=["4"]))
+    assert "".join(c.text for c in streamed) == cut.text
+    raw = client.generate("The capital of France is", max_new_tokens=8)
+    assert raw.usage.prompt_tokens == len(target_info.tokenizer("The capital of France is")["input_ids"])
