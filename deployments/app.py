@@ -13,7 +13,7 @@ from typing import Any
 from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
-from deployments.config import AppConfig
+from deployments.config import AppConfig, Placement
 from deployments.ingress import SpecDecodeIngress
 from deployments.routing import ROUTER_CLASS
 from deployments.stages import Draft, Prefill, Verify
@@ -29,16 +29,10 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
     stages = {}
     for name, deployment in STAGE_DEPLOYMENTS.items():
         stage = config.stage(name)
-        placement = stage.placement
-        actor_options: dict[str, Any] = {"num_cpus": placement.num_cpus}
-        if placement.resources:
-            actor_options["resources"] = dict(placement.resources)
-        if placement.label_selector:
-            actor_options["label_selector"] = dict(placement.label_selector)
         options: dict[str, Any] = {
             "num_replicas": stage.num_replicas,
             "max_ongoing_requests": stage.max_ongoing_requests,
-            "ray_actor_options": actor_options,
+            "ray_actor_options": actor_options(stage.placement),
         }
         if name != "prefill":  # draft and verify hold sessions: pin each call to its replica
             options["request_router_config"] = RequestRouterConfig(request_router_class=ROUTER_CLASS)
@@ -47,6 +41,16 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
         num_replicas=config.ingress_replicas,
         max_ongoing_requests=config.limits.max_ongoing_requests,
         max_queued_requests=config.limits.max_queued_requests,
-        ray_actor_options={"num_cpus": 0},
+        ray_actor_options=actor_options(config.ingress_placement),
     )
     return ingress.bind(plain, stages["prefill"], stages["draft"], stages["verify"])
+
+
+def actor_options(placement: Placement) -> dict[str, Any]:
+    """Ray actor options that pin a replica: custom resources and/or a node label selector."""
+    options: dict[str, Any] = {"num_cpus": placement.num_cpus}
+    if placement.resources:
+        options["resources"] = dict(placement.resources)
+    if placement.label_selector:
+        options["label_selector"] = dict(placement.label_selector)
+    return options

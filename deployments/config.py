@@ -12,6 +12,7 @@ from services.draft import DRAFTERS, MODEL_DRAFTER
 from services.validation import MAX_DRAFT_TOKENS, MIN_DRAFT_TOKENS
 
 STAGES = ("prefill", "draft", "verify")
+INGRESS = "ingress"
 STAGE_LABEL = "splitspec.io/accelerator"  # node label key of the example cluster layout
 DEFAULT_APP_NAME = "splitspec"
 
@@ -76,6 +77,7 @@ class AppConfig(_Strict):
     limits: Limits = Field(default_factory=Limits)
     stages: Stages = Field(default_factory=Stages)
     ingress_replicas: int = Field(1, ge=1, description="replicas of the ingress (the loop runs there)")
+    ingress_placement: Placement = Field(default_factory=Placement, description="where the ingress may run (default: anywhere)")
     placement_timeout_s: float = Field(30.0, gt=0, description="how long a stage may stay unplaced before it is reported")
 
     @model_validator(mode="after")
@@ -91,12 +93,20 @@ class AppConfig(_Strict):
     def stage(self, name: str) -> StageConfig:
         return getattr(self.stages, name)
 
+    def placement(self, name: str) -> Placement:
+        """Placement of a stage or of the ingress."""
+        return self.ingress_placement if name == INGRESS else self.stage(name).placement
+
 
 def local_placement(stage: str) -> Placement:
-    """One machine: each stage needs its own custom resource, which `splitspec serve` gives the node."""
-    return Placement(resources={f"splitspec_{stage}": 0.01})
+    """One machine: each stage (and the ingress) needs its own custom resource, which `splitspec serve` gives the node."""
+    return Placement(resources={resource_name(stage): 0.01})
 
 
 def labelled_placement(stage: str) -> Placement:
     """A labelled cluster: each stage runs only on nodes labelled ``splitspec.io/accelerator=<stage>``."""
     return Placement(label_selector={STAGE_LABEL: stage})
+
+
+def resource_name(stage: str) -> str:
+    return f"splitspec_{stage}"

@@ -9,15 +9,15 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from deployments.config import STAGES, AppConfig, Placement
+from deployments.config import INGRESS, STAGES, AppConfig, Placement
 
 
 def unplaceable(config: AppConfig, nodes: Iterable[dict]) -> dict[str, str]:
     """{stage: why} for each stage that no alive node (as ``ray.nodes()`` lists them) can host."""
     alive = [n for n in nodes if n.get("Alive", n.get("alive", False))]
     problems = {}
-    for stage in STAGES:
-        why = _why_not(config.stage(stage).placement, alive)
+    for stage in (*STAGES, INGRESS):
+        why = _why_not(config.placement(stage), alive)
         if why:
             problems[stage] = f"stage {stage!r} cannot be placed: {why}"
     return problems

@@ -14,7 +14,9 @@ import os
 import time
 from dataclasses import dataclass, field
 
-from deployments.config import DEFAULT_APP_NAME, STAGE_LABEL, STAGES, AppConfig, labelled_placement, local_placement
+from deployments.config import (
+    DEFAULT_APP_NAME, INGRESS, STAGE_LABEL, STAGES, AppConfig, labelled_placement, local_placement, resource_name,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +48,7 @@ def placements_for(nodes: int, config: AppConfig) -> AppConfig:
     for stage in STAGES:
         place = labelled_placement(stage) if nodes > 1 else local_placement(stage)
         data["stages"][stage]["placement"] = place.model_dump()
+    data["ingress_placement"] = local_placement(INGRESS).model_dump()  # the head node
     return AppConfig.model_validate(data)
 
 
@@ -68,14 +71,15 @@ class LocalCluster:
         if self.metrics_export_port:
             head["metrics_export_port"] = self.metrics_export_port
         if self.nodes == 1:
-            context = ray.init(resources={f"splitspec_{s}": 1 for s in STAGES}, **head)
+            context = ray.init(resources={resource_name(s): 1 for s in (*STAGES, INGRESS)}, **head)
         else:
             from ray.cluster_utils import Cluster
 
+            head["resources"] = {resource_name(INGRESS): 1}
             self._cluster = Cluster(initialize_head=True, head_node_args=head)
             for stage in STAGES:
                 self._cluster.add_node(num_cpus=NODE_CPUS, object_store_memory=OBJECT_STORE_BYTES,
-                                       resources={f"splitspec_{stage}": 1}, labels={STAGE_LABEL: stage})
+                                       resources={resource_name(stage): 1}, labels={STAGE_LABEL: stage})
             context = ray.init(address=self._cluster.address)
         self.dashboard_url = context.dashboard_url or ""
         return self

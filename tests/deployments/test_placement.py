@@ -11,12 +11,12 @@ def _node(labels=None, resources=None, alive=True):
 
 def test_local_layout_places_every_stage():
     config = placements_for(1, AppConfig())
-    assert unplaceable(config, [_node(resources={f"splitspec_{s}": 1 for s in ("prefill", "draft", "verify")})]) == {}
+    assert unplaceable(config, [_node(resources={f"splitspec_{s}": 1 for s in ("prefill", "draft", "verify", "ingress")})]) == {}
 
 
 def test_missing_label_names_stage_and_label():
     config = placements_for(3, AppConfig())
-    nodes = [_node({"splitspec.io/accelerator": "prefill"}), _node({"splitspec.io/accelerator": "draft"}),
+    nodes = [_node({"splitspec.io/accelerator": "prefill"}, {"splitspec_ingress": 1}), _node({"splitspec.io/accelerator": "draft"}),
              _node({"splitspec.io/accelerator": "verify"}, alive=False)]
     problems = unplaceable(config, nodes)
     assert list(problems) == ["verify"]
@@ -28,5 +28,5 @@ def test_missing_resource_and_selector_syntax():
     data["stages"]["draft"]["placement"] = {"resources": {"tpu_like": 1}}
     data["stages"]["prefill"]["placement"] = {"label_selector": {"zone": "in(a,b)"}}
     data["stages"]["verify"]["placement"] = {"label_selector": {"zone": "!a"}}
-    problems = unplaceable(AppConfig.model_validate(data), [_node({"zone": "a"})])
+    problems = unplaceable(AppConfig.model_validate(data), [_node({"zone": "a"})])  # the ingress goes anywhere
     assert set(problems) == {"draft", "verify"} and "tpu_like" in problems["draft"]

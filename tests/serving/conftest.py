@@ -32,7 +32,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_config(**overrides) -> AppConfig:
+def make_config(**overrides) -> AppConfig:
     """Small limits so that the tests are quick; ``overrides`` merge into the dict form."""
     data = AppConfig().model_dump()
     data["limits"].update(max_new_tokens=256, default_max_new_tokens=MAX_NEW_TOKENS, stage_timeout_s=60)
@@ -53,12 +53,12 @@ def _merge(into: dict, new: dict) -> None:
 
 
 @contextlib.contextmanager
-def serving(config: AppConfig, *, nodes: int = 1):
+def serving(config: AppConfig, *, nodes: int = 1, dashboard: bool = False):
     """Start a local cluster of ``nodes`` nodes, deploy ``config`` pinned for it, yield a gRPC client."""
     from splitspec import cluster
 
     port = free_port()
-    local = cluster.LocalCluster(nodes=nodes, dashboard=False).start()
+    local = cluster.LocalCluster(nodes=nodes, dashboard=dashboard).start()
     try:
         cluster.start_serve(port)
         cluster.deploy(cluster.placements_for(nodes, config))

@@ -3,7 +3,7 @@
 import pytest
 
 from splitspec.v1 import splitspec_pb2 as pb
-from tests.serving.conftest import MAX_NEW_TOKENS, PROMPTS, serving, test_config
+from tests.serving.conftest import MAX_NEW_TOKENS, PROMPTS, serving, make_config
 
 pytestmark = pytest.mark.slow
 
@@ -14,7 +14,7 @@ POLICIES = [dict(speculate=False)] + [
 
 @pytest.fixture(scope="module")
 def client():
-    with serving(test_config()) as client:
+    with serving(make_config()) as client:
         yield client
 
 

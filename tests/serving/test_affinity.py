@@ -1,0 +1,45 @@
+"""Two replicas per stage and 8 concurrent streams: every answer is correct, so each session's calls met its replica."""
+
+import concurrent.futures
+
+import pytest
+from ray import serve
+
+from tests.serving.conftest import MAX_NEW_TOKENS, PROMPTS, make_config, serving
+
+pytestmark = pytest.mark.slow
+
+TWO = {"num_replicas": 2}
+
+
+@pytest.fixture(scope="module")
+def client():
+    with serving(make_config(stages={"prefill": TWO, "draft": TWO, "verify": TWO}, ingress_replicas=2)) as client:
+        yield client
+
+
+def _replica_stats(deployment: str, calls: int = 24) -> dict[str, dict]:
+    handle = serve.get_deployment_handle(deployment, "splitspec")
+    stats = [handle.stats.remote().result() for _ in range(calls)]
+    return {s["replica_id"]: s for s in stats}
+
+
+@pytest.mark.parametrize("drafter,k", [("model", 3), ("prompt_lookup", 5)])
+def test_concurrent_streams_with_two_replicas_per_stage(client, reference, drafter, k):
+    def run(prompt):
+        chunks = list(client.stream(messages=[("user", prompt)], max_new_tokens=MAX_NEW_TOKENS, drafter=drafter,
+                                    num_draft_tokens=k))
+        return [t for c in chunks for t in c.token_ids]
+
+    with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
+        answers = list(pool.map(run, PROMPTS))
+    for prompt, tokens in zip(PROMPTS, answers):
+        assert tokens == reference(prompt), prompt
+
+
+def test_both_replicas_held_sessions_and_closed_them(client):
+    for deployment in ("Draft", "Verify"):
+        stats = _replica_stats(deployment)
+        assert len(stats) == 2, f"{deployment}: expected 2 replicas, saw {list(stats)}"
+        assert all(s["opened"] > 0 for s in stats.values()), stats  # the load spread over both
+        assert all(s["sessions"] == 0 for s in stats.values()), stats  # every session was closed

@@ -1,0 +1,108 @@
+"""Every bad input gets its gRPC status and an actionable message; the service keeps serving; a missing label fails fast."""
+
+import concurrent.futures
+import time
+
+import grpc
+import pytest
+
+from splitspec.client import make_request
+from splitspec.cluster import PlacementError, deploy, placements_for
+from tests.serving.conftest import serving, make_config
+
+pytestmark = pytest.mark.slow
+
+OK_PROMPT = [("user", "What is the capital of France?")]
+BAD = [
+    (dict(prompt=""), "prompt is empty"),
+    (dict(prompt="hi", messages=[("user", "hi")]), "not both"),
+    (dict(messages=[("wizard", "hi")]), "role"),
+    (dict(prompt="hello " * 9000), "shorten the prompt"),
+    (dict(prompt="hi", max_new_tokens=100_000), "limit"),
+    (dict(prompt="hi", temperature=-0.5), "temperature must be >= 0"),
+    (dict(prompt="hi", top_p=0.0), "top_p must be in (0, 1]"),
+    (dict(prompt="hi", top_p=1.5), "top_p must be in (0, 1]"),
+    (dict(prompt="hi", num_draft_tokens=17), "num_draft_tokens (k) must be"),
+    (dict(prompt="hi", drafter="oracle"), "unknown drafter"),
+    (dict(prompt="hi", stop=[""]), "stop sequences"),
+]
+
+
+@pytest.fixture(scope="module")
+def client():
+    config = make_config(limits={"max_ongoing_requests": 1, "max_queued_requests": 1})
+    with serving(config) as client:
+        yield client
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["unary", "stream"])
+@pytest.mark.parametrize("kwargs,message", BAD, ids=[m for _, m in BAD])
+def test_invalid_argument(client, kwargs, message, stream):
+    with pytest.raises(grpc.RpcError) as err:
+        if stream:
+            list(client.stream(**kwargs))
+        else:
+            client.generate(**kwargs)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert message in err.value.details()
+    assert "Traceback" not in err.value.details() and "ray" not in err.value.details().lower()
+
+
+def test_good_request_after_bad_ones(client):
+    response = client.generate(messages=OK_PROMPT, max_new_tokens=8)
+    assert response.usage.completion_tokens > 0
+
+
+def test_queue_full_is_resource_exhausted(client):
+    """One running + one queued request fit; the rest are refused at once, and nothing else breaks."""
+    def call(i):
+        try:
+            return list(client.stream(messages=OK_PROMPT, max_new_tokens=48, speculate=False, request_id=str(i)))[-1].finish_reason
+        except grpc.RpcError as exc:
+            return exc.code()
+
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        results = list(pool.map(call, range(6)))
+    refused = [r for r in results if r == grpc.StatusCode.RESOURCE_EXHAUSTED]
+    assert refused and len(refused) < len(results)
+    assert all(r == grpc.StatusCode.RESOURCE_EXHAUSTED or isinstance(r, int) for r in results), results
+    assert client.generate(messages=OK_PROMPT, max_new_tokens=4).usage.completion_tokens > 0
+
+
+def test_client_deadline(client):
+    with pytest.raises(grpc.RpcError) as err:
+        client.stub.Generate(make_request(messages=OK_PROMPT, max_new_tokens=200), timeout=0.3)
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    time.sleep(0.5)
+    assert client.generate(messages=OK_PROMPT, max_new_tokens=4).usage.completion_tokens > 0
+
+
+def test_missing_label_fails_fast_and_requests_get_unavailable(client):
+    """A stage pinned to a label no node has is reported by name within the bound; its app answers UNAVAILABLE."""
+    config = placements_for(1, make_config(placement_timeout_s=3))
+    data = config.model_dump()
+    data["stages"]["verify"]["placement"] = {"label_selector": {"splitspec.io/accelerator": "nowhere"}}
+    broken = type(config).model_validate(data)
+    start = time.monotonic()
+    with pytest.raises(PlacementError) as err:
+        deploy(broken, name="broken", route_prefix="/broken")
+    assert time.monotonic() - start < 30
+    assert list(err.value.problems) == ["verify"]
+    assert "splitspec.io/accelerator=nowhere" in str(err.value)
+    deadline = time.monotonic() + 60
+    while True:  # the broken app's ingress comes up; its stages never do
+        try:
+            client.stub.Generate(make_request("hi", max_new_tokens=4),
+                                 metadata=(("application", "broken"),), timeout=30)
+            raise AssertionError("a request to an unplaceable stage succeeded")
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.UNAVAILABLE and "verify" in exc.details():
+                assert "splitspec.io/accelerator=nowhere" in exc.details()
+                break
+            assert time.monotonic() < deadline, (exc.code(), exc.details())
+            time.sleep(1)
+    from ray import serve
+
+    serve.delete("broken", _blocking=False)
+    good = client.stub.Generate(make_request(messages=OK_PROMPT, max_new_tokens=4), metadata=(("application", "splitspec"),))
+    assert good.usage.completion_tokens > 0

@@ -1,0 +1,46 @@
+"""`--nodes 3`: each stage runs on the node labelled for it, the KV crosses nodes by reference, the ingress never holds it."""
+
+import pytest
+import ray
+from ray import serve
+from ray.util.state import list_actors
+
+from deployments.config import STAGE_LABEL
+from tests.serving.conftest import PROMPTS, make_config, serving
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def client():
+    with serving(make_config(), nodes=3, dashboard=True) as client:  # the state API needs the dashboard
+        yield client
+
+
+def test_stages_run_on_their_labelled_nodes(client):
+    labels = {n["NodeID"]: n.get("Labels", {}) for n in ray.nodes() if n["Alive"]}
+    actors = list_actors(filters=[("state", "=", "ALIVE")], limit=1000)
+    seen = {}
+    for stage, deployment in (("prefill", "Prefill"), ("draft", "Draft"), ("verify", "Verify")):
+        nodes = [a.node_id for a in actors if a.class_name == f"ServeReplica:splitspec:{deployment}"]
+        assert nodes, f"no running replica of {deployment}"
+        for node in nodes:
+            assert labels[node].get(STAGE_LABEL) == stage
+        seen[stage] = set(nodes)
+    assert len(set.union(*seen.values())) == 3  # three different nodes
+
+
+def test_kv_crosses_nodes_by_reference(client, reference):
+    for prompt in PROMPTS[:3]:
+        response = client.generate(messages=[("user", prompt)], max_new_tokens=16)
+        assert list(response.token_ids) == reference(prompt)[:16]
+        assert response.timings.kv_handoff_ms > 0
+    handoffs = serve.get_app_handle("splitspec").recent_handoffs.remote().result()
+    assert len(handoffs) >= 3
+    ingress_nodes = {a.node_id for a in list_actors(filters=[("state", "=", "ALIVE")], limit=1000)
+                     if a.class_name == "ServeReplica:splitspec:SpecDecodeIngress"}
+    for h in handoffs:
+        assert h["kv_held_as"] == "ObjectRef"  # the ingress passed a reference on, never the bytes
+        assert h["prefill_node"] != h["verify_node"]  # resolved by the verifier on another node
+        assert h["resolved_bytes"] == h["kv_bytes"] > 0
+        assert h["prefill_node"] not in ingress_nodes and h["verify_node"] not in ingress_nodes
