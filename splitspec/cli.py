@@ -125,7 +125,8 @@ def cmd_serve(args) -> int:
         if dashboard:
             print(f"Ray dashboard: http://{dashboard}", flush=True)
         print("Ctrl-C stops it.", flush=True)
-        stop.wait()
+        while not stop.wait(1.0):
+            pass
     except KeyboardInterrupt:
         pass
     except cluster.PlacementError as exc:
@@ -174,6 +175,39 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def cmd_bench_grpc(args) -> int:
+    from splitspec import bench_grpc, cluster
+    from splitspec.client import SpecDecodeClient
+
+    local = None
+    address = args.address
+    if not address:
+        from deployments.config import AppConfig
+        from services.models import default_pair
+
+        default_pair.prepare()
+        local = cluster.LocalCluster(nodes=args.nodes, dashboard=False, log_to_driver=False).start()
+        port = args.grpc_port
+        cluster.start_serve(port)
+        cluster.deploy(cluster.placements_for(args.nodes, AppConfig()))
+        address = f"127.0.0.1:{port}"
+    try:
+        with SpecDecodeClient(address) as client:
+            report = bench_grpc.run(client, num_prompts=args.prompts, max_new_tokens=args.max_new_tokens)
+    finally:
+        if local is not None:
+            local.stop()
+    print(f"\ngRPC, single stream, greedy, {report['prompts']} held-out prompts x {report['max_new_tokens']} tokens:")
+    for name, r in report["policies"].items():
+        acc = "" if r["acceptance_rate"] is None else f", acceptance {r['acceptance_rate']:.1%}, mean accepted length {r['mean_accepted_length']:.2f}"
+        print(f"  {name:<18} {r['tok_s']:6.2f} tok/s = {r['ratio_vs_off']:.2f}x off; median ttft {r['median_ttft_ms']:.0f} ms{acc}")
+    print(f"greedy identical across policies: {report['greedy_identical']}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+        print(f"wrote {args.json}")
+    return 0 if report["greedy_identical"] else 1
+
+
 def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", help="target model folder (default: the prepared SmolLM2 pair)")
     p.add_argument("--draft", help="draft model folder (must share the target's tokenizer)")
@@ -202,6 +236,14 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--max-new-tokens", type=int, default=64)
     engine.add_argument("--json", help="also write the report as JSON here")
     engine.set_defaults(fn=cmd_bench_engine)
+    grpc_bench = bench.add_parser("grpc", help="tokens/s through the gRPC service, speculation on vs off")
+    grpc_bench.add_argument("--address", help="a running service (default: start a local one)")
+    grpc_bench.add_argument("--nodes", type=int, default=1, choices=[1, 3])
+    grpc_bench.add_argument("--grpc-port", type=int, default=9100)
+    grpc_bench.add_argument("--prompts", type=int, default=8)
+    grpc_bench.add_argument("--max-new-tokens", type=int, default=64)
+    grpc_bench.add_argument("--json", help="also write the report as JSON here")
+    grpc_bench.set_defaults(fn=cmd_bench_grpc)
 
     serve = sub.add_parser("serve", help="start a local Ray cluster and serve splitspec over gRPC")
     serve.add_argument("--config", help="app config YAML (deployments.config.AppConfig, or a Serve config file)")

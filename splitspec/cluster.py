@@ -57,6 +57,7 @@ class LocalCluster:
     nodes: int = 1
     dashboard: bool = True
     metrics_export_port: int | None = None
+    log_to_driver: bool = True  # replica logs on this process' stderr
     _cluster: object = field(default=None, repr=False)
     dashboard_url: str = ""
 
@@ -71,7 +72,8 @@ class LocalCluster:
         if self.metrics_export_port:
             head["metrics_export_port"] = self.metrics_export_port
         if self.nodes == 1:
-            context = ray.init(resources={resource_name(s): 1 for s in (*STAGES, INGRESS)}, **head)
+            context = ray.init(resources={resource_name(s): 1 for s in (*STAGES, INGRESS)}, log_to_driver=self.log_to_driver,
+                               **head)
         else:
             from ray.cluster_utils import Cluster
 
@@ -80,7 +82,7 @@ class LocalCluster:
             for stage in STAGES:
                 self._cluster.add_node(num_cpus=NODE_CPUS, object_store_memory=OBJECT_STORE_BYTES,
                                        resources={resource_name(stage): 1}, labels={STAGE_LABEL: stage})
-            context = ray.init(address=self._cluster.address)
+            context = ray.init(address=self._cluster.address, log_to_driver=self.log_to_driver)
         self.dashboard_url = context.dashboard_url or ""
         return self
 

@@ -58,7 +58,7 @@ def serving(config: AppConfig, *, nodes: int = 1, dashboard: bool = False):
     from splitspec import cluster
 
     port = free_port()
-    local = cluster.LocalCluster(nodes=nodes, dashboard=dashboard).start()
+    local = cluster.LocalCluster(nodes=nodes, dashboard=dashboard, log_to_driver=False).start()
     try:
         cluster.start_serve(port)
         cluster.deploy(cluster.placements_for(nodes, config))

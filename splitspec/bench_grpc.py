@@ -1,0 +1,55 @@
+"""Tokens/s through the gRPC service, speculation on vs off, measured side by side in one run.
+
+Single stream, greedy, the same held-out prompts for every policy; the
+policies take turns prompt by prompt so that machine noise hits all of them
+alike. Prints ratios (never asserted in tests: the machines are noisy).
+"""
+
+from __future__ import annotations
+
+import time
+
+from services.models.prompts import held_out_prompts
+from splitspec.client import SpecDecodeClient
+
+POLICIES = {
+    "off": dict(speculate=False),
+    "model k=1": dict(speculate=True, drafter="model", num_draft_tokens=1),
+    "model k=2": dict(speculate=True, drafter="model", num_draft_tokens=2),
+    "prompt_lookup k=3": dict(speculate=True, drafter="prompt_lookup", num_draft_tokens=3),
+}
+
+
+def run(client: SpecDecodeClient, *, num_prompts: int = 8, max_new_tokens: int = 64, warmup: int = 1) -> dict:
+    prompts = held_out_prompts()[:num_prompts]
+    for policy in POLICIES.values():  # warm every stage and kernel before timing
+        for prompt in prompts[:warmup]:
+            client.generate(messages=[("user", prompt)], max_new_tokens=8, **policy)
+    totals = {name: {"tokens": 0, "seconds": 0.0, "drafted": 0, "accepted": 0, "steps": 0, "ttft_ms": []} for name in POLICIES}
+    answers: dict[str, list[list[int]]] = {name: [] for name in POLICIES}
+    for prompt in prompts:
+        for name, policy in POLICIES.items():
+            start = time.perf_counter()
+            response = client.generate(messages=[("user", prompt)], max_new_tokens=max_new_tokens, **policy)
+            elapsed = time.perf_counter() - start
+            t, s = totals[name], response.speculation_stats
+            t["tokens"] += len(response.token_ids)
+            t["seconds"] += elapsed
+            t["drafted"] += s.drafted
+            t["accepted"] += s.accepted
+            t["steps"] += s.steps
+            t["ttft_ms"].append(response.timings.ttft_ms)
+            answers[name].append(list(response.token_ids))
+    report = {"prompts": num_prompts, "max_new_tokens": max_new_tokens, "policies": {}}
+    off = totals["off"]["tokens"] / totals["off"]["seconds"]
+    for name, t in totals.items():
+        tok_s = t["tokens"] / t["seconds"]
+        report["policies"][name] = {
+            "tok_s": round(tok_s, 2),
+            "ratio_vs_off": round(tok_s / off, 3),
+            "acceptance_rate": round(t["accepted"] / t["drafted"], 3) if t["drafted"] else None,
+            "mean_accepted_length": round((t["accepted"] + t["steps"]) / t["steps"], 3) if t["steps"] else None,
+            "median_ttft_ms": round(sorted(t["ttft_ms"])[len(t["ttft_ms"]) // 2], 1),
+        }
+    report["greedy_identical"] = all(answers[name] == answers["off"] for name in POLICIES)
+    return report
