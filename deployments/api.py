@@ -37,6 +37,7 @@ class Plan:
     num_draft_tokens: int
     drafter: str
     stats: SpeculationStats = field(default_factory=SpeculationStats)
+    fallback: bool = False  # speculation was turned off mid-request after a draft-stage failure
 
 
 def parse(request, config: AppConfig, tokenizer, *, max_context: int, vocab_size: int, drafters=DRAFTERS) -> Plan:

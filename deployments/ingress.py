@@ -13,16 +13,20 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator
 
+import grpc
 import ray
+from ray import exceptions as ray_exceptions
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from deployments import api
 from deployments.config import AppConfig
+from deployments.metrics import RequestMetrics
 from deployments.placement import unplaceable
 from deployments.routing import pin
 from deployments.stages import model_dirs
-from deployments.status import RequestDeadlineError, StageUnavailableError, to_status
+from deployments.status import RequestDeadlineError, StageUnavailableError, to_status, unwrap
+from services.errors import CapacityError, SessionNotFoundError
 from services.loading import check_tokenizers, describe
 from services.loop import StepOutput, finish_step
 from services.text import TextStream
@@ -31,6 +35,9 @@ from splitspec.v1 import splitspec_pb2 as pb
 logger = logging.getLogger(__name__)
 
 PLACEMENT_CHECK_PERIOD_S = 2.0  # how often the ingress re-checks that every stage can be placed
+# Draft-stage failures after which a request goes on without speculation (the answer is the same).
+DRAFT_FAILURES = (StageUnavailableError, CapacityError, SessionNotFoundError, ray_exceptions.RayActorError,
+                  ray_exceptions.ActorUnavailableError)
 RECENT_HANDOFFS = 64  # KV handoffs remembered for `recent_handoffs` (placement checks, debugging)
 
 
@@ -40,6 +47,10 @@ class _Timer:
         self.ttft_ms = 0.0
         self.prefill_ms = 0.0
         self.kv_handoff_ms = 0.0
+        self.last_emit = self.start  # when the last tokens went out (inter-token latency)
+
+    def seconds(self) -> float:
+        return time.perf_counter() - self.start
 
     def ms(self) -> float:
         return (time.perf_counter() - self.start) * 1000
@@ -58,6 +69,7 @@ class SpecDecodeIngress:
         self.target = describe(target_dir)
         self.unplaceable: dict[str, str] = {}
         self.handoffs: deque[dict] = deque(maxlen=RECENT_HANDOFFS)
+        self.metrics = RequestMetrics()
         self._check_placement()
         self._watchdog = asyncio.get_event_loop().create_task(self._watch_placement())
 
@@ -70,8 +82,12 @@ class SpecDecodeIngress:
             text, token_ids, finish_reason = await asyncio.wait_for(
                 self._collect(plan, timer), timeout=self.config.limits.request_timeout_s
             )
+        except asyncio.CancelledError:
+            self.metrics.finished("Generate", grpc.StatusCode.CANCELLED.name)
+            raise
         except Exception as exc:  # noqa: BLE001 - every error becomes a status here
-            self._fail(grpc_context, exc)
+            self._fail("Generate", grpc_context, exc)
+        self.metrics.finished("Generate", "ok", timer.seconds())
         return pb.GenerateResponse(
             request_id=plan.request_id,
             text=text,
@@ -104,9 +120,13 @@ class SpecDecodeIngress:
                     chunk.usage.CopyFrom(api.usage(plan, completion))
                     chunk.speculation_stats.CopyFrom(api.speculation_stats(plan))
                     chunk.timings.CopyFrom(timer.timings())
+                    self.metrics.finished("GenerateStream", "ok", timer.seconds())
                 yield chunk
+        except asyncio.CancelledError:
+            self.metrics.finished("GenerateStream", grpc.StatusCode.CANCELLED.name)
+            raise
         except Exception as exc:  # noqa: BLE001
-            self._fail(grpc_context, exc)
+            self._fail("GenerateStream", grpc_context, exc)
 
     # -- the loop ---------------------------------------------------------------------------------
 
@@ -126,13 +146,21 @@ class SpecDecodeIngress:
         """Each step's kept tokens and new text, cut at the first stop sequence (shared by both RPCs)."""
         stream = TextStream(self.target.tokenizer, plan.stop)
         steps = self._speculative_decode(plan, timer)
+        self.metrics.started(len(plan.prompt_ids))
         try:
-            async for step in steps:
+            async for i, step in _enumerate(steps):
                 ids, text = stream.push(step.token_ids)
                 if stream.stopped:
                     step.finish_reason = api.FINISH_STOP_SEQUENCE
                 if step.finish_reason:
                     text += stream.flush()
+                now = time.perf_counter()
+                if i == 0:  # prefill's token
+                    self.metrics.first_chunk(now - timer.start, len(ids))
+                else:
+                    self.metrics.verify_step(sent=len(ids), since_last_s=now - timer.last_emit, drafted=step.n_drafted,
+                                             accepted=step.accepted, n_matches=step.n_matches)
+                timer.last_emit = now
                 yield step, ids, text
                 if step.finish_reason:
                     return
@@ -150,11 +178,15 @@ class SpecDecodeIngress:
             handoff = await self._call("prefill", prefilled)
             timer.prefill_ms = timer.ms()
             if started is not None:
-                draft = self.draft.options(session_id=pin((await self._call("draft", started)).replica_id))
+                try:
+                    draft = self.draft.options(session_id=pin((await self._call("draft", started)).replica_id))
+                except Exception as exc:  # noqa: BLE001 - go on with the target alone
+                    self._fall_back(plan, exc, "start")
             # 2. hand the verifier the KV *reference*; it resolves the bytes from the object store
             opened = await self._call("verify", self.verify.open.remote(sid, handoff, params))
             verify = self.verify.options(session_id=pin(opened.replica_id))
             timer.kv_handoff_ms = opened.handoff_ms
+            self.metrics.kv_handoff(opened.resolved_bytes, opened.handoff_ms / 1000)
             first_token = handoff.first_token
             self.handoffs.append({
                 "kv_held_as": type(handoff.kv_refs[0]).__name__,  # ObjectRef: the ingress never resolves it
@@ -173,9 +205,14 @@ class SpecDecodeIngress:
                 yield step
                 if step.finish_reason:
                     return
-                k = min(plan.num_draft_tokens, plan.max_new_tokens - generated - 1) if draft else 0
+                k = min(plan.num_draft_tokens, plan.max_new_tokens - generated - 1) if draft and not plan.fallback else 0
                 # 3. draft k tokens (the drafter first rolls back to the last accepted token)
-                proposal = await self._call("draft", draft.propose.remote(sid, k, accept)) if k > 0 else None
+                proposal = None
+                if k > 0:
+                    try:
+                        proposal = await self._call("draft", draft.propose.remote(sid, k, accept))
+                    except Exception as exc:  # noqa: BLE001 - go on with the target alone
+                        self._fall_back(plan, exc, "propose")
                 draft_ids = proposal.token_ids if proposal else []
                 # 4. verify them in one target pass
                 verdict = await self._call("verify", verify.verify.remote(sid, draft_ids, proposal.probs if proposal else None))
@@ -197,11 +234,23 @@ class SpecDecodeIngress:
         if stage in self.unplaceable:
             raise StageUnavailableError(self.unplaceable[stage])
         timeout = self.config.limits.stage_timeout_s
+        start = time.perf_counter()
         try:
-            return await asyncio.wait_for(_awaited(response), timeout=timeout)
+            result = await asyncio.wait_for(_awaited(response), timeout=timeout)
+            self.metrics.stage_call(stage, time.perf_counter() - start)
+            return result
         except asyncio.TimeoutError:
             response.cancel()
             raise StageUnavailableError(f"stage {stage!r} did not answer within {timeout:g}s") from None
+
+    def _fall_back(self, plan: api.Plan, exc: Exception, when: str) -> None:
+        """Turn speculation off for this request after a draft-stage failure, or re-raise any other error."""
+        cause = unwrap(exc)
+        if not isinstance(cause, DRAFT_FAILURES):
+            raise exc
+        logger.warning("request %s: draft stage failed at %s (%s); continuing without speculation", plan.request_id, when, cause)
+        self.metrics.fallback(f"{when}: {type(cause).__name__}")
+        plan.fallback = True
 
     def _close_when_started(self, sid: str, started) -> None:
         async def close():
@@ -213,8 +262,9 @@ class SpecDecodeIngress:
 
         asyncio.get_running_loop().create_task(close())
 
-    def _fail(self, grpc_context, exc: Exception):
+    def _fail(self, method: str, grpc_context, exc: Exception):
         code, message = to_status(exc)
+        self.metrics.finished(method, code.name)
         grpc_context.set_code(code)
         grpc_context.set_details(message)
         raise exc  # Serve keeps a status set before raising (a plain return would report OK)
@@ -250,3 +300,10 @@ class SpecDecodeIngress:
 
 async def _awaited(response):
     return await response
+
+
+async def _enumerate(items):
+    i = 0
+    async for item in items:
+        yield i, item
+        i += 1

@@ -20,6 +20,7 @@ import ray
 from ray import serve
 
 from deployments.config import AppConfig
+from deployments.metrics import SessionMetrics
 from services.draft import DraftEngine, DraftProposal
 from services.loading import LoadedModel, config_of, load_causal_lm, set_num_threads
 from services.prefill import PrefillEngine
@@ -27,6 +28,8 @@ from services.sampling import SamplingParams
 from services.verify import VerifyEngine, VerifyResult
 
 logger = logging.getLogger(__name__)
+
+GAUGE_PERIOD_S = 1.0  # how often draft / verify replicas re-set their session gauges
 
 
 @dataclass
@@ -75,6 +78,9 @@ class _Stage:
         set_num_threads(self.config.stage(self.stage).threads)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"splitspec-{self.stage}")
         self.opened = 0  # sessions opened on this replica
+        if self.stage != "prefill":  # draft and verify hold sessions
+            self.session_metrics = SessionMetrics(self.stage)
+            self._reporter = asyncio.get_event_loop().create_task(self._report_sessions())
 
     def _stats(self) -> dict:
         """This replica's sessions: open now, opened in all, KV bytes held."""
@@ -83,6 +89,13 @@ class _Stage:
 
     async def _run(self, fn: Callable, *args):
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    async def _report_sessions(self) -> None:
+        """Refresh the session gauges periodically: Ray drops a gauge that is not re-set within two report intervals."""
+        while True:
+            if getattr(self, "engine", None) is not None:
+                self.session_metrics.update(len(self.engine.sessions), self.engine.sessions.kv_bytes)
+            await asyncio.sleep(GAUGE_PERIOD_S)
 
     def check_health(self) -> None:  # Serve calls this periodically; the engine holds no external state
         return None

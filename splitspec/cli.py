@@ -208,6 +208,14 @@ def cmd_bench_grpc(args) -> int:
     return 0 if report["greedy_identical"] else 1
 
 
+def cmd_dashboard_snapshot(args) -> int:
+    from splitspec import snapshot
+
+    out = snapshot.render(args.prometheus, Path(args.out), minutes=args.minutes)
+    print(f"wrote {out}")
+    return 0
+
+
 def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", help="target model folder (default: the prepared SmolLM2 pair)")
     p.add_argument("--draft", help="draft model folder (must share the target's tokenizer)")
@@ -254,6 +262,14 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--app-name", default="splitspec")
     serve.add_argument("--no-dashboard", action="store_true", help="do not start the Ray dashboard")
     serve.set_defaults(fn=cmd_serve)
+
+    dash = sub.add_parser("dashboard", help="the Grafana dashboard's panels without Grafana").add_subparsers(
+        dest="action", required=True)
+    snap = dash.add_parser("snapshot", help="render the main panels from Prometheus into a PNG")
+    snap.add_argument("--prometheus", default="http://127.0.0.1:9090", help="Prometheus base URL")
+    snap.add_argument("--minutes", type=float, default=15.0, help="time range to render")
+    snap.add_argument("--out", default="dashboard-snapshot.png")
+    snap.set_defaults(fn=cmd_dashboard_snapshot)
 
     gen = sub.add_parser("generate", help="generate an answer through the gRPC service (or in-process with --local)")
     gen.add_argument("prompt")

@@ -55,8 +55,8 @@ PANELS = [
     ), "Share of draft tokens the target accepted."),
     Panel("Mean acceptance length", "short", (
         ("tokens per verify step", f"(sum(rate(ray_splitspec_accepted_tokens_total{{{APP}}}[{RATE}])) + "
-                                   f"sum(rate(ray_splitspec_verify_steps_total{{{APP}}}[{RATE}]))) / "
-                                   f"sum(rate(ray_splitspec_verify_steps_total{{{APP}}}[{RATE}]))"),
+                                   f"sum(rate(ray_splitspec_drafted_steps_total{{{APP}}}[{RATE}]))) / "
+                                   f"sum(rate(ray_splitspec_drafted_steps_total{{{APP}}}[{RATE}]))"),
     ), "Tokens emitted per target pass: accepted drafts + the recovered or bonus token (1 = no gain)."),
     Panel("Acceptance by draft position", "percentunit", (
         ("position {{position}}", f"sum by (position) (rate(ray_splitspec_accepted_tokens_by_position_total{{{APP}}}[{RATE}])) "
@@ -64,6 +64,7 @@ PANELS = [
     ), "Share of drafts whose token at this position was accepted."),
     Panel("Tokens generated per second", "short", (
         ("generated", f"sum(rate(ray_splitspec_generated_tokens_total{{{APP}}}[{RATE}]))"),
+        ("verify steps", f"sum(rate(ray_splitspec_verify_steps_total{{{APP}}}[{RATE}]))"),
         ("prompt", f"sum(rate(ray_splitspec_prompt_tokens_total{{{APP}}}[{RATE}]))"),
     )),
     Panel("Stage step latency p50 (prefill / draft / verify)", "s", (

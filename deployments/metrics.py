@@ -1,0 +1,134 @@
+"""splitspec's Prometheus metrics, all in one place (exported with ``ray.serve.metrics``).
+
+Ray prefixes every name with ``ray_`` and adds the ``application``,
+``deployment`` and ``replica`` tags; each node's metrics agent serves them
+(Prometheus finds the agents through the file Ray writes at
+``/tmp/ray/prom_metrics_service_discovery.json``). As in vLLM, events are
+counters, latencies are histograms, and ratios are computed in PromQL:
+
+    acceptance rate (accepted / drafted draft tokens):
+        sum(rate(ray_splitspec_accepted_tokens_total[1m])) / sum(rate(ray_splitspec_draft_tokens_total[1m]))
+    mean acceptance length (tokens emitted per draft-and-verify step, bonus token included):
+        (sum(rate(ray_splitspec_accepted_tokens_total[1m])) + sum(rate(ray_splitspec_drafted_steps_total[1m])))
+          / sum(rate(ray_splitspec_drafted_steps_total[1m]))
+    acceptance by draft position p (share of verify steps whose draft token p was accepted):
+        sum by (position) (rate(ray_splitspec_accepted_tokens_by_position_total[1m]))
+          / ignoring(position) group_left sum(rate(ray_splitspec_drafted_steps_total[1m]))
+"""
+
+from __future__ import annotations
+
+from ray.serve.metrics import Counter, Gauge, Histogram
+
+# Latency buckets in seconds: 1 ms .. 60 s.
+LATENCY_S = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]
+# Tokens emitted per verify step: 1 (nothing accepted) .. MAX_DRAFT_TOKENS + 1.
+ACCEPTED_LENGTH = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 12, 14, 16, 17]
+
+# name -> (kind, description, tag keys); the dashboards may use exactly these (tests check both ways).
+METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
+    "splitspec_requests": ("counter", "Requests finished, by RPC method and outcome (ok or a gRPC status name).", ("method", "outcome")),
+    "splitspec_prompt_tokens": ("counter", "Prompt tokens of requests that started generating.", ()),
+    "splitspec_generated_tokens": ("counter", "Tokens sent to clients.", ()),
+    "splitspec_verify_steps": ("counter", "Verify steps (target forward passes after prefill).", ()),
+    "splitspec_drafted_steps": ("counter", "Verify steps that checked at least one draft token (drafts).", ()),
+    "splitspec_draft_tokens": ("counter", "Draft tokens proposed and verified.", ()),
+    "splitspec_accepted_tokens": ("counter", "Draft tokens the target accepted.", ()),
+    "splitspec_accepted_tokens_by_position": ("counter", "Accepted draft tokens by position in the draft (0 = first).", ("position",)),
+    "splitspec_kv_handoff_bytes": ("counter", "Bytes of prefill KV handed to verifiers through the object store.", ()),
+    "splitspec_drafter_fallbacks": ("counter", "Requests whose speculation was turned off because the draft stage failed.", ("reason",)),
+    "splitspec_time_to_first_token_seconds": ("histogram", "Request received -> first token ready.", ()),
+    "splitspec_inter_token_latency_seconds": ("histogram", "Time between consecutive tokens sent to a client (per token).", ()),
+    "splitspec_request_latency_seconds": ("histogram", "Request received -> last token ready.", ()),
+    "splitspec_stage_latency_seconds": ("histogram", "One stage call seen from the ingress, by stage (prefill, draft, verify).", ("stage",)),
+    "splitspec_kv_handoff_latency_seconds": ("histogram", "Prefill puts the KV -> the verifier has resolved it.", ()),
+    "splitspec_accepted_length": ("histogram", "Tokens emitted per verify step (accepted drafts + recovered or bonus).", ()),
+    "splitspec_open_sessions": ("gauge", "Sessions open on this draft / verify replica.", ("stage",)),
+    "splitspec_kv_bytes_held": ("gauge", "KV bytes held by this draft / verify replica.", ("stage",)),
+}
+
+
+def exported_name(name: str) -> str:
+    """The series name in Prometheus (Ray adds ``ray_``; counters get ``_total``)."""
+    return f"ray_{name}_total" if METRICS[name][0] == "counter" else f"ray_{name}"
+
+
+class Metrics:
+    """The metric objects of one replica (create inside the replica: Serve adds its tags there)."""
+
+    def __init__(self):
+        self._m = {}
+        for name, (kind, description, tags) in METRICS.items():
+            if kind == "counter":
+                self._m[name] = Counter(name, description=description, tag_keys=tags)
+            elif kind == "gauge":
+                self._m[name] = Gauge(name, description=description, tag_keys=tags)
+            else:
+                buckets = ACCEPTED_LENGTH if name == "splitspec_accepted_length" else LATENCY_S
+                self._m[name] = Histogram(name, description=description, boundaries=buckets, tag_keys=tags)
+
+    def inc(self, name: str, value: float = 1.0, **tags: str) -> None:
+        if value:
+            self._m[name].inc(value, tags=tags or None)
+
+    def observe(self, name: str, value: float, **tags: str) -> None:
+        self._m[name].observe(value, tags=tags or None)
+
+    def set(self, name: str, value: float, **tags: str) -> None:
+        self._m[name].set(value, tags=tags or None)
+
+
+class RequestMetrics:
+    """What the ingress records for each request, step and stage call."""
+
+    def __init__(self):
+        self.m = Metrics()
+
+    def started(self, prompt_tokens: int) -> None:
+        self.m.inc("splitspec_prompt_tokens", prompt_tokens)
+
+    def first_chunk(self, ttft_s: float, tokens: int) -> None:
+        self.m.observe("splitspec_time_to_first_token_seconds", ttft_s)
+        self.m.inc("splitspec_generated_tokens", tokens)
+
+    def verify_step(self, *, sent: int, since_last_s: float, drafted: int, accepted: list[bool], n_matches: int) -> None:
+        """One verify step: ``sent`` tokens reached the client ``since_last_s`` after the previous ones."""
+        self.m.inc("splitspec_generated_tokens", sent)
+        for _ in range(sent):  # the step's tokens arrive together: spread the interval over them
+            self.m.observe("splitspec_inter_token_latency_seconds", since_last_s / sent)
+        self.m.inc("splitspec_verify_steps")
+        if drafted:
+            self.m.inc("splitspec_drafted_steps")
+            self.m.inc("splitspec_draft_tokens", drafted)
+            self.m.inc("splitspec_accepted_tokens", n_matches)
+            self.m.observe("splitspec_accepted_length", n_matches + 1)
+            for position, ok in enumerate(accepted):
+                if ok:
+                    self.m.inc("splitspec_accepted_tokens_by_position", position=str(position))
+
+    def stage_call(self, stage: str, seconds: float) -> None:
+        self.m.observe("splitspec_stage_latency_seconds", seconds, stage=stage)
+
+    def kv_handoff(self, nbytes: int, seconds: float) -> None:
+        self.m.inc("splitspec_kv_handoff_bytes", nbytes)
+        self.m.observe("splitspec_kv_handoff_latency_seconds", seconds)
+
+    def fallback(self, reason: str) -> None:
+        self.m.inc("splitspec_drafter_fallbacks", reason=reason)
+
+    def finished(self, method: str, outcome: str, latency_s: float | None = None) -> None:
+        self.m.inc("splitspec_requests", method=method, outcome=outcome)
+        if latency_s is not None:
+            self.m.observe("splitspec_request_latency_seconds", latency_s)
+
+
+class SessionMetrics:
+    """Open sessions and KV bytes of one draft / verify replica."""
+
+    def __init__(self, stage: str):
+        self.stage = stage
+        self.m = Metrics()
+
+    def update(self, sessions: int, kv_bytes: int) -> None:
+        self.m.set("splitspec_open_sessions", sessions, stage=self.stage)
+        self.m.set("splitspec_kv_bytes_held", kv_bytes, stage=self.stage)
