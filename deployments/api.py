@@ -90,6 +90,7 @@ def speculation_stats(plan: Plan) -> pb.SpeculationStats:
         enabled=plan.speculate,
         drafter=plan.drafter if plan.speculate else "",
         num_draft_tokens=plan.num_draft_tokens if plan.speculate else 0,
+        fell_back=plan.fallback,
     )
 
 

@@ -131,8 +131,9 @@ class SpecDecodeIngress:
     # -- the loop ---------------------------------------------------------------------------------
 
     def _plan(self, request) -> api.Plan:
-        if self.unplaceable:
-            raise StageUnavailableError("; ".join(self.unplaceable.values()))
+        essential = [why for stage, why in self.unplaceable.items() if stage != "draft"]  # without a drafter: no speculation
+        if essential:
+            raise StageUnavailableError("; ".join(essential))
         return api.parse(request, self.config, self.target.tokenizer, max_context=self.target.max_context,
                          vocab_size=self.target.vocab_size)
 
@@ -172,7 +173,11 @@ class SpecDecodeIngress:
         sid, params = plan.session_id, plan.params
         # 1. prefill the target and, in parallel, start the draft session over the same prompt
         prefilled = self.prefill.prefill.remote(plan.prompt_ids, params)
-        started = self.draft.start.remote(sid, plan.prompt_ids, params, plan.drafter) if plan.speculate else None
+        started = None
+        if plan.speculate and "draft" in self.unplaceable:
+            self._fall_back(plan, StageUnavailableError(self.unplaceable["draft"]), "start")
+        elif plan.speculate:
+            started = self.draft.start.remote(sid, plan.prompt_ids, params, plan.drafter)
         draft = verify = None
         try:
             handoff = await self._call("prefill", prefilled)

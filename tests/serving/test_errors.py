@@ -12,7 +12,7 @@ from tests.serving.conftest import serving, make_config
 
 pytestmark = pytest.mark.slow
 
-OK_PROMPT = [("user", "What is the capital of France?")]
+OK_PROMPT = [("user", "What is the capital of France?")]  # (role, content)
 BAD = [
     (dict(prompt=""), "prompt is empty"),
     (dict(prompt="hi", messages=[("user", "hi")]), "not both"),
@@ -106,3 +106,27 @@ def test_missing_label_fails_fast_and_requests_get_unavailable(client):
     serve.delete("broken", _blocking=False)
     good = client.stub.Generate(make_request(messages=OK_PROMPT, max_new_tokens=4), metadata=(("application", "splitspec"),))
     assert good.usage.completion_tokens > 0
+
+
+def test_missing_draft_stage_degrades_to_target_alone(client, reference):
+    """Without a placeable drafter, requests still get the target's exact answer, speculation off and counted as a fallback."""
+    data = placements_for(1, make_config(placement_timeout_s=3)).model_dump()
+    data["stages"]["draft"]["placement"] = {"label_selector": {"splitspec.io/accelerator": "nowhere"}}
+    with pytest.raises(PlacementError) as err:
+        deploy(type(make_config()).model_validate(data), name="nodraft", route_prefix="/nodraft")
+    assert list(err.value.problems) == ["draft"]
+    metadata = (("application", "nodraft"),)
+    deadline = time.monotonic() + 120
+    while True:  # the app's ingress, prefill and verify come up; its draft stage never does
+        try:
+            response = client.stub.Generate(make_request(messages=OK_PROMPT, max_new_tokens=16, num_draft_tokens=3),
+                                             metadata=metadata, timeout=60)
+            break
+        except grpc.RpcError as exc:
+            assert time.monotonic() < deadline, (exc.code(), exc.details())
+            time.sleep(1)
+    assert list(response.token_ids) == reference(OK_PROMPT[0][1])[:16]
+    assert response.speculation_stats.fell_back and response.speculation_stats.drafted == 0
+    from ray import serve
+
+    serve.delete("nodraft", _blocking=False)
