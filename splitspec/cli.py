@@ -45,6 +45,11 @@ def cmd_bench_engine(args) -> int:
         f"ideal speedup {report['ideal_speedup']:.2f}x; greedy identical: {report['greedy_identical']}"
     )
     print(f"verify cost (ms) by tokens: {report['costs_ms']['verify']}; draft token: {report['costs_ms']['draft_token']} ms")
+    return _write_report(args, report)
+
+
+def _write_report(args, report: dict) -> int:
+    """Write the benchmark report as JSON if asked; fail the run if any output differed from the target alone."""
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
         print(f"wrote {args.json}")
@@ -202,10 +207,7 @@ def cmd_bench_grpc(args) -> int:
         acc = "" if r["acceptance_rate"] is None else f", acceptance {r['acceptance_rate']:.1%}, mean accepted length {r['mean_accepted_length']:.2f}"
         print(f"  {name:<18} {r['tok_s']:6.2f} tok/s = {r['ratio_vs_off']:.2f}x off; median ttft {r['median_ttft_ms']:.0f} ms{acc}")
     print(f"greedy identical across policies: {report['greedy_identical']}")
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
-        print(f"wrote {args.json}")
-    return 0 if report["greedy_identical"] else 1
+    return _write_report(args, report)
 
 
 def cmd_dashboard_snapshot(args) -> int:
