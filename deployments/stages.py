@@ -24,6 +24,7 @@ from deployments.metrics import SessionMetrics
 from services.draft import DraftEngine, DraftProposal
 from services.loading import LoadedModel, config_of, load_causal_lm, set_num_threads
 from services.prefill import PrefillEngine
+from services.runner import warm_up
 from services.sampling import SamplingParams
 from services.verify import VerifyEngine, VerifyResult
 
@@ -110,6 +111,7 @@ class Prefill(_Stage):
     def __init__(self, config: dict):
         super().__init__(config)
         self.engine = PrefillEngine(load_target(self.config))
+        warm_up(self.engine.runner)
 
     async def prefill(self, prompt_ids: list[int], params: SamplingParams) -> KVHandoff:
         result = await self._run(self.engine.prefill, prompt_ids, params)
@@ -134,6 +136,7 @@ class Draft(_Stage):
             max_kv_bytes=self.config.limits.max_kv_bytes,
             max_context=getattr(target_config, "max_position_embeddings", None),
         )
+        warm_up(self.engine.runner)
 
     async def start(self, request_id: str, prompt_ids: list[int], params: SamplingParams, drafter: str) -> SessionOpened:
         await self._run(self.engine.start, request_id, prompt_ids, params, drafter)
@@ -167,6 +170,7 @@ class Verify(_Stage):
         self.engine = VerifyEngine(
             load_target(self.config), max_sessions=self.config.limits.max_sessions, max_kv_bytes=self.config.limits.max_kv_bytes
         )
+        warm_up(self.engine.runner)
 
     async def open(self, request_id: str, handoff: KVHandoff, params: SamplingParams) -> SessionOpened:
         (ref,) = handoff.kv_refs

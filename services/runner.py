@@ -51,3 +51,13 @@ def make_runner(loaded: LoadedModel, *, fast: bool = True):
     if fast and fast_llama.supports(loaded.model.config):
         return fast_llama.FastLlamaRunner(loaded)
     return ModelRunner(loaded)
+
+
+WARMUP_ROWS = (1, 2, 3, 4)  # verify / decode chunk sizes whose matmul plans are worth tuning before the first request
+
+
+def warm_up(runner, rows: tuple[int, ...] = WARMUP_ROWS) -> None:
+    """Build the kernels and tune the matmul plans of the common chunk sizes, so the first request is not slow."""
+    cache = runner.new_cache()
+    for n in rows:
+        runner.forward(torch.zeros(n, dtype=torch.long), cache)
