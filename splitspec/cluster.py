@@ -15,7 +15,8 @@ import time
 from dataclasses import dataclass, field
 
 from deployments.config import (
-    DEFAULT_APP_NAME, INGRESS, STAGE_LABEL, STAGES, AppConfig, labelled_placement, local_placement, resource_name,
+    DEFAULT_APP_NAME, INGRESS, STAGE_LABEL, STAGES, AppConfig, Placement, labelled_placement, local_placement,
+    resource_name,
 )
 
 logger = logging.getLogger(__name__)
@@ -43,12 +44,19 @@ class PlacementError(RuntimeError):
 
 
 def placements_for(nodes: int, config: AppConfig) -> AppConfig:
-    """The config with each stage pinned the way a local cluster of ``nodes`` nodes offers."""
+    """The config with every stage the config leaves unpinned pinned the way a local cluster of ``nodes`` offers.
+
+    A local node carries both its stage's label and its stage's resource, so
+    placements written in the config (labels or resources) are kept as they are.
+    """
     data = config.model_dump()
+    unset = Placement().model_dump()
     for stage in STAGES:
-        place = labelled_placement(stage) if nodes > 1 else local_placement(stage)
-        data["stages"][stage]["placement"] = place.model_dump()
-    data["ingress_placement"] = local_placement(INGRESS).model_dump()  # the head node
+        if data["stages"][stage]["placement"] == unset:
+            place = labelled_placement(stage) if nodes > 1 else local_placement(stage)
+            data["stages"][stage]["placement"] = place.model_dump()
+    if data["ingress_placement"] == unset:
+        data["ingress_placement"] = local_placement(INGRESS).model_dump()  # the head node
     return AppConfig.model_validate(data)
 
 

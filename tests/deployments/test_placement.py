@@ -30,3 +30,15 @@ def test_missing_resource_and_selector_syntax():
     data["stages"]["verify"]["placement"] = {"label_selector": {"zone": "!a"}}
     problems = unplaceable(AppConfig.model_validate(data), [_node({"zone": "a"})])  # the ingress goes anywhere
     assert set(problems) == {"draft", "verify"} and "tpu_like" in problems["draft"]
+
+
+def test_local_cluster_fills_only_unset_placements():
+    """Placement written in a config stays as written; `splitspec serve` pins only what the config leaves open."""
+    data = AppConfig().model_dump()
+    data["stages"]["verify"]["placement"] = {"label_selector": {"splitspec.io/accelerator": "verify"}}
+    config = placements_for(1, AppConfig.model_validate(data))
+    assert config.stages.verify.placement.label_selector == {"splitspec.io/accelerator": "verify"}
+    assert config.stages.verify.placement.resources == {}
+    assert config.stages.draft.placement.resources == {"splitspec_draft": 0.01}
+    assert config.ingress_placement.resources == {"splitspec_ingress": 0.01}
+    assert placements_for(3, AppConfig()).stages.prefill.placement.label_selector == {"splitspec.io/accelerator": "prefill"}
