@@ -52,3 +52,14 @@ def test_stop_sequence_and_raw_prompt(client, target_info):
     assert "".join(c.text for c in streamed) == cut.text
     raw = client.generate("The capital of France is", max_new_tokens=8)
     assert raw.usage.prompt_tokens == len(target_info.tokenizer("The capital of France is")["input_ids"])
+
+
+def test_seeded_sampling_is_reproducible_through_the_graph(client):
+    """temperature > 0 with a seed: the same request gives the same answer (random streams travel with the session)."""
+    kwargs = dict(messages=[("user", PROMPTS[1])], max_new_tokens=MAX_NEW_TOKENS, temperature=0.8, top_p=0.95, seed=7,
+                  num_draft_tokens=3)
+    first, second = client.generate(**kwargs), client.generate(**kwargs)
+    assert list(first.token_ids) == list(second.token_ids)
+    assert first.speculation_stats.drafted > 0
+    other = client.generate(**{**kwargs, "seed": 8})
+    assert list(other.token_ids) != list(first.token_ids)
