@@ -1,6 +1,7 @@
 """Two replicas per stage and 8 concurrent streams: every answer is correct, so each session's calls met its replica."""
 
 import concurrent.futures
+import time
 
 import pytest
 from ray import serve
@@ -43,3 +44,19 @@ def test_both_replicas_held_sessions_and_closed_them(client):
         assert len(stats) == 2, f"{deployment}: expected 2 replicas, saw {list(stats)}"
         assert all(s["opened"] > 0 for s in stats.values()), stats  # the load spread over both
         assert all(s["sessions"] == 0 for s in stats.values()), stats  # every session was closed
+
+
+def test_client_going_away_closes_its_sessions(client):
+    """A stream cancelled mid-way releases its draft and verify sessions; the next request is served."""
+    stream = client.stream(messages=[("user", PROMPTS[0])], max_new_tokens=200, num_draft_tokens=2)
+    for _, _chunk in zip(range(3), stream):
+        pass
+    stream.cancel()
+    deadline = time.monotonic() + 30
+    while True:
+        open_sessions = {d: sum(s["sessions"] for s in _replica_stats(d).values()) for d in ("Draft", "Verify")}
+        if open_sessions == {"Draft": 0, "Verify": 0}:
+            break
+        assert time.monotonic() < deadline, open_sessions
+        time.sleep(0.5)
+    assert client.generate(messages=[("user", PROMPTS[1])], max_new_tokens=8).usage.completion_tokens > 0
