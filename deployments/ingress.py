@@ -65,8 +65,8 @@ class SpecDecodeIngress:
         self.config = AppConfig.model_validate(config)
         self.prefill, self.draft, self.verify = prefill, draft, verify
         target_dir, draft_dir = model_dirs(self.config)
-        check_tokenizers(target_dir, draft_dir)
         self.target = describe(target_dir)
+        check_tokenizers(self.target, draft_dir)
         self.unplaceable: dict[str, str] = {}
         self.handoffs: deque[dict] = deque(maxlen=RECENT_HANDOFFS)
         self.metrics = RequestMetrics()
@@ -279,8 +279,9 @@ class SpecDecodeIngress:
     def _check_placement(self) -> None:
         problems = unplaceable(self.config, ray.nodes())
         if problems != self.unplaceable:
-            for why in problems.values():
-                logger.error("%s; requests get UNAVAILABLE until such a node joins", why)
+            for stage, why in problems.items():
+                effect = "requests run without speculation" if stage == "draft" else "requests get UNAVAILABLE"
+                logger.error("%s; %s until such a node joins", why, effect)
             self.unplaceable = problems
 
     async def _watch_placement(self) -> None:
@@ -290,9 +291,6 @@ class SpecDecodeIngress:
                 await asyncio.get_running_loop().run_in_executor(None, self._check_placement)
             except Exception:  # noqa: BLE001 - keep watching
                 logger.exception("placement check failed")
-
-    async def check_health(self) -> None:
-        return None
 
     async def recent_handoffs(self) -> list[dict]:
         """Where the last KV handoffs went: prefill node, verify node, bytes, and what the ingress held."""

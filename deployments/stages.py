@@ -83,10 +83,15 @@ class _Stage:
             self.session_metrics = SessionMetrics(self.stage)
             self._reporter = asyncio.get_event_loop().create_task(self._report_sessions())
 
-    def _stats(self) -> dict:
-        """This replica's sessions: open now, opened in all, KV bytes held."""
+    def _session_counts(self) -> tuple[int, int]:
+        """(open sessions, KV bytes held); run on the engine thread, which is the only one that changes them."""
         sessions = self.engine.sessions
-        return {"replica_id": _identity()[0], "sessions": len(sessions), "opened": self.opened, "kv_bytes": sessions.kv_bytes}
+        return len(sessions), sessions.kv_bytes
+
+    async def stats(self) -> dict:
+        """This replica's sessions: open now, opened in all, KV bytes held."""
+        sessions, kv_bytes = await self._run(self._session_counts)
+        return {"replica_id": _identity()[0], "sessions": sessions, "opened": self.opened, "kv_bytes": kv_bytes}
 
     async def _run(self, fn: Callable, *args):
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
@@ -95,11 +100,8 @@ class _Stage:
         """Refresh the session gauges periodically: Ray drops a gauge that is not re-set within two report intervals."""
         while True:
             if getattr(self, "engine", None) is not None:
-                self.session_metrics.update(len(self.engine.sessions), self.engine.sessions.kv_bytes)
+                self.session_metrics.update(*await self._run(self._session_counts))
             await asyncio.sleep(GAUGE_PERIOD_S)
-
-    def check_health(self) -> None:  # Serve calls this periodically; the engine holds no external state
-        return None
 
 
 @serve.deployment(name="Prefill")
@@ -155,8 +157,6 @@ class Draft(_Stage):
     async def close(self, request_id: str) -> None:
         await self._run(self.engine.close, request_id)
 
-    async def stats(self) -> dict:
-        return self._stats()
 
 
 @serve.deployment(name="Verify")
@@ -186,5 +186,3 @@ class Verify(_Stage):
     async def close(self, request_id: str) -> None:
         await self._run(self.engine.close, request_id)
 
-    async def stats(self) -> dict:
-        return self._stats()

@@ -111,15 +111,23 @@ def _has_tokenizer(path: Path) -> bool:
 
 def check_pair(target: LoadedModel, draft: LoadedModel) -> None:
     """Refuse a draft model whose token ids mean something else than the target's."""
-    names = f"draft model {draft.model_id!r} and target model {target.model_id!r}"
-    if draft.vocab_size != target.vocab_size:
+    _check_same_vocabulary(
+        f"draft model {draft.model_id!r} and target model {target.model_id!r}",
+        (target.vocab_size, draft.vocab_size),
+        (target.tokenizer, draft.tokenizer),
+    )
+
+
+def _check_same_vocabulary(names: str, vocab_sizes: tuple[int, int], tokenizers: tuple) -> None:
+    (target_size, draft_size), (target_tok, draft_tok) = vocab_sizes, tokenizers
+    if draft_size != target_size:
         raise ModelMismatchError(
-            f"{names} have different vocabulary sizes ({draft.vocab_size} vs {target.vocab_size}); "
+            f"{names} have different vocabulary sizes ({draft_size} vs {target_size}); "
             "speculative decoding needs a drafter that shares the target's tokenizer"
         )
-    if (target.tokenizer is None) != (draft.tokenizer is None):
+    if (target_tok is None) != (draft_tok is None):
         raise ModelMismatchError(f"{names}: only one of them has a tokenizer")
-    if target.tokenizer is not None and target.tokenizer.get_vocab() != draft.tokenizer.get_vocab():
+    if target_tok is not None and target_tok.get_vocab() != draft_tok.get_vocab():
         raise ModelMismatchError(
             f"{names} have different tokenizers (same size, different token ids); "
             "use a drafter trained with the target's tokenizer"
@@ -161,11 +169,11 @@ def describe(path: str | Path) -> ModelInfo:
     )
 
 
-def check_tokenizers(target_path: str | Path, draft_path: str | Path) -> None:
+def check_tokenizers(target: ModelInfo, draft_path: str | Path) -> None:
     """``check_pair`` without loading weights: same vocabulary size and the same token ids."""
-    target, draft = describe(target_path), describe(draft_path)
-    if target.vocab_size != draft.vocab_size or target.tokenizer.get_vocab() != draft.tokenizer.get_vocab():
-        raise ModelMismatchError(
-            f"draft model {draft_path} does not share the tokenizer of target model {target_path}; "
-            "speculative decoding needs a drafter trained with the target's tokenizer"
-        )
+    draft = describe(draft_path)
+    _check_same_vocabulary(
+        f"draft model {str(draft_path)!r} and the target model",
+        (target.vocab_size, draft.vocab_size),
+        (target.tokenizer, draft.tokenizer),
+    )
