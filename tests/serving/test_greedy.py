@@ -63,3 +63,12 @@ def test_seeded_sampling_is_reproducible_through_the_graph(client):
     assert first.speculation_stats.drafted > 0
     other = client.generate(**{**kwargs, "seed": 8})
     assert list(other.token_ids) != list(first.token_ids)
+
+
+def test_server_reflection_lists_the_service(client):
+    """grpcurl and other tools can discover splitspec.v1.SpecDecode through server reflection."""
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    stub = reflection_pb2_grpc.ServerReflectionStub(client.channel)
+    answer = next(iter(stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))))
+    assert "splitspec.v1.SpecDecode" in [s.name for s in answer.list_services_response.service]
