@@ -249,6 +249,7 @@ def build_parser() -> argparse.ArgumentParser:
     grpc_bench = bench.add_parser("grpc", help="tokens/s through the gRPC service, speculation on vs off")
     grpc_bench.add_argument("--address", help="a running service (default: start a local one)")
     grpc_bench.add_argument("--nodes", type=int, default=1, choices=[1, 3])
+    grpc_bench.add_argument("--config", help="app config YAML of the local service (default: the built-in defaults)")
     grpc_bench.add_argument("--grpc-port", type=int, default=9100)
     grpc_bench.add_argument("--prompts", type=int, default=8)
     grpc_bench.add_argument("--max-new-tokens", type=int, default=64)
