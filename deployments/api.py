@@ -55,7 +55,7 @@ def parse(request, config: AppConfig, tokenizer, *, max_context: int, vocab_size
         top_p=float(request.top_p) if request.HasField("top_p") else 1.0,
         seed=int(request.seed) if request.HasField("seed") else None,
     ).validate()
-    max_new_tokens = request.max_new_tokens or config.limits.default_max_new_tokens
+    max_new_tokens = request.max_new_tokens if request.HasField("max_new_tokens") else config.limits.default_max_new_tokens
     validate_max_new_tokens(
         max_new_tokens, prompt_len=len(prompt_ids), max_context=max_context, limit=config.limits.max_new_tokens
     )

@@ -48,7 +48,7 @@ class SpeculationDefaults(_Strict):
 
 class Limits(_Strict):
     max_new_tokens: int = Field(512, ge=1, description="largest max_new_tokens a request may ask for")
-    default_max_new_tokens: int = Field(128, ge=1, description="max_new_tokens when a request leaves it 0")
+    default_max_new_tokens: int = Field(128, ge=1, description="max_new_tokens when a request leaves it unset")
     max_sessions: int = Field(64, ge=1, description="open sessions per draft / verify replica")
     max_kv_bytes: int = Field(4 * 2**30, ge=1, description="KV bytes per draft / verify replica")
     max_ongoing_requests: int = Field(16, ge=1, description="requests the ingress runs at once (per replica)")

@@ -17,7 +17,7 @@ def make_request(
     *,
     messages: Sequence[tuple[str, str]] = (),
     request_id: str = "",
-    max_new_tokens: int = 0,
+    max_new_tokens: int | None = None,
     temperature: float = 0.0,
     top_k: int = 0,
     top_p: float | None = None,
@@ -34,12 +34,13 @@ def make_request(
         request_id=request_id,
         prompt=prompt,
         messages=[pb.ChatMessage(role=r, content=c) for r, c in messages],
-        max_new_tokens=max_new_tokens,
         temperature=temperature,
         top_k=top_k,
         stop=list(stop),
         speculation=pb.SpeculationPolicy(mode=MODES[speculate], num_draft_tokens=num_draft_tokens, drafter=drafter),
     )
+    if max_new_tokens is not None:
+        request.max_new_tokens = max_new_tokens
     if top_p is not None:
         request.top_p = top_p
     if seed is not None:

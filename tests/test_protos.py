@@ -17,7 +17,7 @@ def test_fixed_names():
     request = pb.GenerateRequest.DESCRIPTOR.fields_by_name
     for name in ("request_id", "prompt", "messages", "max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop", "speculation"):
         assert name in request
-    assert request["top_p"].has_presence and request["seed"].has_presence
+    assert request["top_p"].has_presence and request["seed"].has_presence and request["max_new_tokens"].has_presence
     for name in ("request_id", "text", "token_ids", "finish_reason", "usage", "speculation_stats"):
         assert name in pb.GenerateResponse.DESCRIPTOR.fields_by_name
     for name in ("request_id", "text", "token_ids", "accepted_tokens", "finish_reason"):

@@ -19,6 +19,7 @@ BAD = [
     (dict(messages=[("wizard", "hi")]), "role"),
     (dict(prompt="hello " * 9000), "shorten the prompt"),
     (dict(prompt="hi", max_new_tokens=100_000), "limit"),
+    (dict(prompt="hi", max_new_tokens=0), "max_new_tokens must be a positive integer"),
     (dict(prompt="hi", temperature=-0.5), "temperature must be >= 0"),
     (dict(prompt="hi", top_p=0.0), "top_p must be in (0, 1]"),
     (dict(prompt="hi", top_p=1.5), "top_p must be in (0, 1]"),
