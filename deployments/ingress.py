@@ -296,10 +296,6 @@ class SpecDecodeIngress:
         """Where the last KV handoffs went: prefill node, verify node, bytes, and what the ingress held."""
         return list(self.handoffs)
 
-    async def placement_problems(self) -> dict[str, str]:
-        """{stage: why} for stages no alive node can host (empty when all can be placed)."""
-        return dict(self.unplaceable)
-
 
 async def _awaited(response):
     return await response

@@ -18,6 +18,8 @@ counters, latencies are histograms, and ratios are computed in PromQL:
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from ray.serve.metrics import Counter, Gauge, Histogram
 
 # Latency buckets in seconds: 1 ms .. 60 s.
@@ -48,17 +50,13 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
 }
 
 
-def exported_name(name: str) -> str:
-    """The series name in Prometheus (Ray adds ``ray_``; counters get ``_total``)."""
-    return f"ray_{name}_total" if METRICS[name][0] == "counter" else f"ray_{name}"
-
-
 class Metrics:
-    """The metric objects of one replica (create inside the replica: Serve adds its tags there)."""
+    """The metric objects one replica records (create inside the replica: Serve adds its tags there)."""
 
-    def __init__(self):
+    def __init__(self, names: Iterable[str]):
         self._m = {}
-        for name, (kind, description, tags) in METRICS.items():
+        for name in names:
+            kind, description, tags = METRICS[name]
             if kind == "counter":
                 self._m[name] = Counter(name, description=description, tag_keys=tags)
             elif kind == "gauge":
@@ -78,11 +76,14 @@ class Metrics:
         self._m[name].set(value, tags=tags or None)
 
 
+SESSION_GAUGES = ("splitspec_open_sessions", "splitspec_kv_bytes_held")
+
+
 class RequestMetrics:
-    """What the ingress records for each request, step and stage call."""
+    """What the ingress records for each request, step and stage call (every metric but the session gauges)."""
 
     def __init__(self):
-        self.m = Metrics()
+        self.m = Metrics(name for name in METRICS if name not in SESSION_GAUGES)
 
     def started(self, prompt_tokens: int) -> None:
         self.m.inc("splitspec_prompt_tokens", prompt_tokens)
@@ -127,7 +128,7 @@ class SessionMetrics:
 
     def __init__(self, stage: str):
         self.stage = stage
-        self.m = Metrics()
+        self.m = Metrics(SESSION_GAUGES)
 
     def update(self, sessions: int, kv_bytes: int) -> None:
         self.m.set("splitspec_open_sessions", sessions, stage=self.stage)
