@@ -32,6 +32,7 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
         options: dict[str, Any] = {
             "num_replicas": stage.num_replicas,
             "max_ongoing_requests": stage.max_ongoing_requests,
+            "graceful_shutdown_timeout_s": config.graceful_shutdown_timeout_s,
             "ray_actor_options": actor_options(stage.placement),
         }
         if name != "prefill":  # draft and verify hold sessions: pin each call to its replica
@@ -41,6 +42,7 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
         num_replicas=config.ingress_replicas,
         max_ongoing_requests=config.limits.max_ongoing_requests,
         max_queued_requests=config.limits.max_queued_requests,
+        graceful_shutdown_timeout_s=config.graceful_shutdown_timeout_s,
         ray_actor_options=actor_options(config.ingress_placement),
     )
     return ingress.bind(plain, stages["prefill"], stages["draft"], stages["verify"])

@@ -79,6 +79,9 @@ class AppConfig(_Strict):
     ingress_replicas: int = Field(1, ge=1, description="replicas of the ingress (the loop runs there)")
     ingress_placement: Placement = Field(default_factory=Placement, description="where the ingress may run (default: anywhere)")
     placement_timeout_s: float = Field(30.0, gt=0, description="how long a stage may stay unplaced before it is reported")
+    graceful_shutdown_timeout_s: float = Field(
+        10.0, ge=0, description="on stop, how long a replica lets its in-flight requests finish before it is killed"
+    )
 
     @model_validator(mode="after")
     def _check(self) -> "AppConfig":

@@ -97,52 +97,56 @@ def _load_config(path: str | None):
 
 
 def cmd_serve(args) -> int:
-    import signal
-    import threading
-
-    from splitspec import cluster
+    from splitspec import cluster, stopping
     from splitspec.v1 import splitspec_pb2  # noqa: F401 - fail here, not in the proxy, if the stubs are broken
 
+    # Own Ctrl-C / SIGTERM before anything starts: a stop asked for during start-up is bounded too.
+    stopper = stopping.Stopper(args.stop_timeout).install()
     config = _load_config(args.config)
     if not config.models.target or not config.models.draft:
         from services.models import default_pair
 
         default_pair.prepare()
-    if args.address:
-        import ray
-
-        cluster.ray_env()
-        ray.init(address=args.address)
-        local = None
-        dashboard = ""
-    else:
-        config = cluster.placements_for(args.nodes, config)
-        local = cluster.LocalCluster(nodes=args.nodes, dashboard=not args.no_dashboard).start()
-        dashboard = local.dashboard_url
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    local = None
+    code = 0
     try:
-        cluster.start_serve(args.grpc_port)
-        print(f"deploying {args.app_name!r} ({args.nodes if local else 'existing'} node cluster); models load in the replicas ...",
-              flush=True)
-        cluster.deploy(config, name=args.app_name)
-        print(f"splitspec is serving gRPC on 127.0.0.1:{args.grpc_port} (service splitspec.v1.SpecDecode)", flush=True)
-        if dashboard:
-            print(f"Ray dashboard: http://{dashboard}", flush=True)
-        print("Ctrl-C stops it.", flush=True)
-        while not stop.wait(1.0):
-            pass
-    except KeyboardInterrupt:
-        pass
+        if stopper.requested.is_set():
+            pass  # stopped while the models were being prepared
+        elif args.address:
+            import ray
+
+            cluster.ray_env()
+            ray.init(address=args.address)
+        else:
+            config = cluster.placements_for(args.nodes, config)
+            local = cluster.LocalCluster(nodes=args.nodes, dashboard=not args.no_dashboard)
+            local.start()
+            print(f"Ray session: {local.session_dir} (logs in logs/)", flush=True)
+        stopper.install()  # ray.init put its own SIGTERM handler in place
+        if not stopper.requested.is_set():
+            cluster.start_serve(args.grpc_port)
+            print(f"deploying {args.app_name!r} ({args.nodes if local else 'existing'} node cluster); models load in the "
+                  "replicas ...", flush=True)
+        if not stopper.requested.is_set() and cluster.deploy(config, name=args.app_name, stop=stopper.requested):
+            print(f"splitspec is serving gRPC on 127.0.0.1:{args.grpc_port} (service splitspec.v1.SpecDecode)", flush=True)
+            if local is not None and local.dashboard_url:
+                print(f"Ray dashboard: http://{local.dashboard_url}", flush=True)
+            print("Ctrl-C stops it.", flush=True)
+            while not stopper.requested.wait(1.0):
+                pass
     except cluster.PlacementError as exc:
         for why in exc.problems.values():
             print(f"error: {why}", file=sys.stderr)
-        return 2
+        code = 2
     finally:
-        print("stopping ...", flush=True)
+        stopper.begin()
         if local is not None:
             local.stop()
-    return 0
+        elif args.address:
+            cluster.leave(args.app_name)  # someone else's cluster: delete our app, never stop the cluster
+        stopper.finish()
+    print("stopped.", flush=True)
+    return code
 
 
 def cmd_generate(args) -> int:
@@ -264,6 +268,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--grpc-port", type=int, default=9000)
     serve.add_argument("--app-name", default="splitspec")
     serve.add_argument("--no-dashboard", action="store_true", help="do not start the Ray dashboard")
+    serve.add_argument("--stop-timeout", type=float, default=30.0,
+                       help="seconds a Ctrl-C / SIGTERM stop may take before it is forced (a second Ctrl-C forces it)")
     serve.set_defaults(fn=cmd_serve)
 
     dash = sub.add_parser("dashboard", help="the Grafana dashboard's panels without Grafana").add_subparsers(

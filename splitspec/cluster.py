@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -68,6 +69,7 @@ class LocalCluster:
     log_to_driver: bool = True  # replica logs on this process' stderr
     _cluster: object = field(default=None, repr=False)
     dashboard_url: str = ""
+    session_dir: str = ""  # Ray's session folder (logs under logs/); its name is in every Ray process of the cluster
 
     def start(self) -> "LocalCluster":
         import ray
@@ -92,19 +94,27 @@ class LocalCluster:
                                        resources={resource_name(stage): 1}, labels={STAGE_LABEL: stage})
             context = ray.init(address=self._cluster.address, log_to_driver=self.log_to_driver)
         self.dashboard_url = context.dashboard_url or ""
+        self.session_dir = context.address_info.get("session_dir", "")
         return self
 
     def stop(self) -> None:
+        """Serve drains and stops (each replica within the app's graceful_shutdown_timeout_s), then Ray stops."""
         import ray
         from ray import serve
 
+        start = time.monotonic()
         try:
-            serve.shutdown()
+            if ray.is_initialized():
+                serve.shutdown()
+        except Exception:  # noqa: BLE001 - stop Ray whatever Serve did
+            logger.exception("Serve did not shut down cleanly; stopping Ray")
         finally:
+            serve_s = time.monotonic() - start
             ray.shutdown()
             if self._cluster is not None:
                 self._cluster.shutdown()
                 self._cluster = None
+            logger.info("stopped Serve in %.1fs, Ray in %.1fs", serve_s, time.monotonic() - start - serve_s)
 
     def __enter__(self) -> "LocalCluster":
         return self.start()
@@ -126,8 +136,10 @@ def start_serve(grpc_port: int = DEFAULT_GRPC_PORT) -> None:
     )
 
 
-def deploy(config: AppConfig, *, name: str = DEFAULT_APP_NAME, route_prefix: str | None = "/", timeout_s: float = 600.0) -> None:
-    """Deploy the app and wait until it runs; raise PlacementError naming any stage no node can host."""
+def deploy(config: AppConfig, *, name: str = DEFAULT_APP_NAME, route_prefix: str | None = "/", timeout_s: float = 600.0,
+           stop: threading.Event | None = None) -> bool:
+    """Deploy the app and wait until it runs (True) or ``stop`` is set (False); raise PlacementError naming any
+    stage no node can host."""
     import ray
     from ray import serve
     from ray.serve.api import RunTarget
@@ -138,15 +150,28 @@ def deploy(config: AppConfig, *, name: str = DEFAULT_APP_NAME, route_prefix: str
     serve.run_many([RunTarget(build_app(config.model_dump()), name=name, route_prefix=route_prefix)],
                    wait_for_applications_running=False)
     start = time.monotonic()
-    while True:
+    while not (stop is not None and stop.is_set()):
         problems = unplaceable(config, ray.nodes())
         if problems and time.monotonic() - start >= min(config.placement_timeout_s, timeout_s):
             raise PlacementError(problems)
         status = serve.status().applications.get(name)
         if status is not None and status.status == "RUNNING":
-            return
+            return True
         if status is not None and status.status == "DEPLOY_FAILED":
             raise RuntimeError(f"application {name!r} failed to deploy: {status.message}")
         if time.monotonic() - start > timeout_s:
             raise TimeoutError(f"application {name!r} not running after {timeout_s:g}s: {status.message if status else ''}")
         time.sleep(APP_POLL_S)
+    return False
+
+
+def leave(name: str = DEFAULT_APP_NAME) -> None:
+    """On a cluster that is not ours: delete only our application (Serve and other apps stay), then disconnect."""
+    import ray
+    from ray import serve
+
+    try:
+        if ray.is_initialized():
+            serve.delete(name, _blocking=True)
+    finally:
+        ray.shutdown()

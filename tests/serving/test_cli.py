@@ -3,32 +3,23 @@
 import os
 import signal
 import subprocess
-import sys
-import time
-from pathlib import Path
 
 import pytest
 
 from tests.serving.conftest import free_port
+from tests.serving.processes import BIN, SERVING, ServeProcess, listening_on
 
 pytestmark = pytest.mark.slow
 
-BIN = Path(sys.executable).parent
+STOP_TIMEOUT_S = 30
 
 
 def test_serve_generate_ctrl_c(tmp_path):
     port = free_port()
     env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
-    log = open(tmp_path / "serve.log", "w")
-    serve = subprocess.Popen([BIN / "splitspec", "serve", "--grpc-port", str(port), "--no-dashboard"],
-                             stdout=log, stderr=subprocess.STDOUT, env=env)
-    try:
-        deadline = time.monotonic() + 300
-        while "is serving gRPC" not in (tmp_path / "serve.log").read_text():
-            assert serve.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
-            assert time.monotonic() < deadline, "splitspec serve did not come up"
-            time.sleep(1)
-        assert f"127.0.0.1:{port}" in (tmp_path / "serve.log").read_text()
+    with ServeProcess(tmp_path, "--grpc-port", str(port)) as serve:
+        serve.wait_for(SERVING)
+        assert f"127.0.0.1:{port}" in serve.log and "Ray session: " in serve.log
         out = subprocess.run([BIN / "splitspec", "generate", "What is the capital of France?", "--address",
                               f"127.0.0.1:{port}", "--max-new-tokens", "16", "--k", "2"],
                              capture_output=True, text=True, timeout=120, env=env)
@@ -37,8 +28,7 @@ def test_serve_generate_ctrl_c(tmp_path):
         bad = subprocess.run([BIN / "splitspec", "generate", "hi", "--address", f"127.0.0.1:{port}", "--temperature", "-1"],
                              capture_output=True, text=True, timeout=60, env=env)
         assert bad.returncode == 1 and "INVALID_ARGUMENT" in bad.stderr
-    finally:
-        serve.send_signal(signal.SIGINT)
-        code = serve.wait(timeout=120)
-    assert code == 0, (tmp_path / "serve.log").read_text()[-3000:]
-    assert "stopping" in (tmp_path / "serve.log").read_text()
+        code, took = serve.stop(signal.SIGINT, STOP_TIMEOUT_S + 10)
+        assert code == 0, f"exit {code} after {took:.1f}s:\n{serve.log[-3000:]}"
+        assert "stopping" in serve.log and "stopped." in serve.log
+        assert not serve.leftovers() and not listening_on(port)

@@ -1,0 +1,119 @@
+"""`splitspec serve` always stops within its bound on Ctrl-C / SIGTERM — during start-up, while serving, during an
+open stream, on 1 node and on 3 — and leaves no process of its Ray session and no listening port behind."""
+
+import signal
+import threading
+import time
+
+import grpc
+import pytest
+
+from splitspec.client import SpecDecodeClient
+from splitspec.stopping import FORCED_EXIT_CODE
+from tests.serving.conftest import free_port
+from tests.serving.processes import SERVING, ServeProcess, listening_on
+
+pytestmark = pytest.mark.slow
+
+STOP_TIMEOUT_S = 30  # the bound under test (`--stop-timeout`, also the default)
+EXIT_MARGIN_S = 10  # beyond the bound, only for a forced stop to finish killing
+STOPS_DURING_START_UP = 3  # per node count and signal
+SIGNALS = [signal.SIGINT, signal.SIGTERM]
+
+
+def serve(tmp_path, port: int, nodes: int, *extra: str) -> ServeProcess:
+    return ServeProcess(tmp_path, "--grpc-port", str(port), "--nodes", str(nodes), "--stop-timeout", str(STOP_TIMEOUT_S),
+                        *extra)
+
+
+def assert_stopped_cleanly(proc: ServeProcess, sig: int, port: int) -> float:
+    code, took = proc.stop(sig, STOP_TIMEOUT_S + EXIT_MARGIN_S)
+    assert code is not None, f"still running {took:.0f}s after {signal.Signals(sig).name}:\n{proc.log[-3000:]}"
+    assert code == 0, f"exit {code} after {took:.1f}s (a forced stop means the graceful one hung):\n{proc.log[-3000:]}"
+    assert "stopped." in proc.log
+    left = proc.leftovers()
+    assert not left, f"left behind: {[(p.pid, p.name()) for p in left]}"
+    assert not listening_on(port), "the gRPC port is still listening"
+    return took
+
+
+@pytest.mark.parametrize("nodes", [1, 3])
+@pytest.mark.parametrize("sig", SIGNALS, ids=lambda s: signal.Signals(s).name)
+def test_stop_during_start_up(tmp_path, nodes, sig):
+    """Stops at successive points of start-up: Ray starting, the app deploying, replicas loading their models."""
+    port = free_port()
+    for i in range(STOPS_DURING_START_UP):
+        with serve(tmp_path, port, nodes) as proc:
+            if i == 0:
+                time.sleep(1.0)  # Ray not up yet
+            else:
+                proc.wait_for("deploying")
+                time.sleep(3.0 * (i - 1))  # replicas are starting / loading models
+            assert_stopped_cleanly(proc, sig, port)
+
+
+@pytest.mark.parametrize("nodes", [1, 3])
+@pytest.mark.parametrize("sig", SIGNALS, ids=lambda s: signal.Signals(s).name)
+def test_stop_during_open_stream(tmp_path, nodes, sig):
+    """A stop while a stream is open: the stream ends (finished or with a status), the service stops within the bound."""
+    port = free_port()
+    with serve(tmp_path, port, nodes) as proc:
+        proc.wait_for(SERVING)
+        ended = threading.Event()
+        outcome = {}
+
+        def consume():
+            try:
+                with SpecDecodeClient(f"127.0.0.1:{port}", timeout_s=STOP_TIMEOUT_S * 2) as client:
+                    outcome["chunks"] = sum(1 for _ in client.stream(
+                        messages=[("user", "Write a long story about a lighthouse keeper.")], max_new_tokens=400))
+            except grpc.RpcError as exc:
+                outcome["status"] = exc.code()
+            finally:
+                ended.set()
+
+        streamer = threading.Thread(target=consume, daemon=True)
+        streamer.start()
+        time.sleep(3.0)  # the stream is running
+        assert not ended.is_set(), f"the stream ended before the stop: {outcome}"
+        assert_stopped_cleanly(proc, sig, port)
+        assert ended.wait(STOP_TIMEOUT_S), "the open stream never ended"
+
+
+def test_second_ctrl_c_forces_the_stop(tmp_path):
+    """Ctrl-C twice: the stop is forced at once, and still nothing of the session is left."""
+    port = free_port()
+    with serve(tmp_path, port, 1) as proc:
+        proc.wait_for("deploying")
+        proc.proc.send_signal(signal.SIGINT)
+        time.sleep(0.5)
+        code, took = proc.stop(signal.SIGINT, STOP_TIMEOUT_S)
+        assert code == FORCED_EXIT_CODE, proc.log[-3000:]
+        assert "forcing the stop" in proc.log
+        assert took < STOP_TIMEOUT_S / 2, f"the forced stop took {took:.1f}s"
+        time.sleep(1.0)  # SIGKILLed processes are reaped
+        left = proc.leftovers()
+        assert not left, f"left behind: {[(p.pid, p.name()) for p in left]}"
+
+
+def test_address_mode_leaves_the_cluster_running(tmp_path):
+    """`serve --address` on a cluster that is not its own: the stop deletes only its app; the cluster and Serve stay."""
+    import ray
+    from ray import serve as ray_serve
+
+    from splitspec import cluster
+
+    local = cluster.LocalCluster(nodes=1, dashboard=False, log_to_driver=False).start()
+    try:
+        address = ray.get_runtime_context().gcs_address
+        port = free_port()
+        with ServeProcess(tmp_path, "--address", address, "--grpc-port", str(port), "--stop-timeout",
+                          str(STOP_TIMEOUT_S)) as proc:
+            proc.wait_for(SERVING)
+            code, took = proc.stop(signal.SIGTERM, STOP_TIMEOUT_S + EXIT_MARGIN_S)
+            assert code == 0, proc.log[-3000:]
+        assert all(n["Alive"] for n in ray.nodes()), "a node of the existing cluster went down"
+        assert "splitspec" not in ray_serve.status().applications
+        assert ray.get(ray.remote(lambda: 42).remote(), timeout=60) == 42  # the cluster still runs work
+    finally:
+        local.stop()
