@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from services import draft_vocab
+from services.draft_vocab import DraftVocab
 from services.errors import InvalidRequestError
 from services.loading import LoadedModel
 from services.prompt_lookup import find_candidates
@@ -103,7 +105,12 @@ def _check_accept(proposal: list[int], n_matches: int) -> list[int]:
 
 
 class DraftEngine:
-    """Per-session drafting with a draft model and/or prompt lookup."""
+    """Per-session drafting with a draft model and/or prompt lookup.
+
+    The draft model's LM head is pruned to its draft vocabulary (services.draft_vocab)
+    when it ships one: ``draft_vocab_size`` None takes the shipped default,
+    ``FULL_VOCAB`` (0) keeps the whole head; a drafter without one keeps it too.
+    """
 
     def __init__(
         self,
@@ -113,9 +120,16 @@ class DraftEngine:
         max_kv_bytes: int = DEFAULT_MAX_KV_BYTES,
         max_context: int | None = None,
         vocab_size: int | None = None,
+        draft_vocab_size: int | None = None,
+        vocab: DraftVocab | None = None,  # default: the one in the drafter's folder, if any
     ):
         self.draft = draft
-        self.runner = make_runner(draft) if draft is not None else None
+        self.kept_ids = None  # [N] ids the drafter's head keeps; None = every id
+        self.runner = None
+        if draft is not None:
+            vocab = vocab or draft_vocab.find(draft.model)
+            self.kept_ids = draft_vocab.resolve_kept_ids(vocab, draft_vocab_size, draft.vocab_size)
+            self.runner = make_runner(draft, kept_ids=self.kept_ids)
         self.max_context = max_context or (draft.max_context if draft else 2**31 - 1)
         self.vocab_size = vocab_size or (draft.vocab_size if draft else 2**31 - 1)
         self.sessions: SessionStore = SessionStore(kind="draft", max_sessions=max_sessions, max_kv_bytes=max_kv_bytes)

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from services import kernels
+from services.draft_vocab import scatter_kept
 from services.kv import KVPayload, as_tensor, check_fingerprint
 
 INITIAL_CAPACITY = 256  # KV positions allocated up front; doubled as needed
@@ -132,7 +133,7 @@ class DenseKVCache:
 class FastLlamaRunner:
     """Forward passes of a Llama model against ``DenseKVCache``s (same interface as ``ModelRunner``)."""
 
-    def __init__(self, loaded):
+    def __init__(self, loaded, *, kept_ids: torch.Tensor | None = None):  # kept_ids: [N] ascending, None = full head
         self.loaded = loaded
         model, config = loaded.model, loaded.model.config
         self.num_heads = config.num_attention_heads
@@ -156,7 +157,10 @@ class FastLlamaRunner:
                 )
             )
         self.norm = base.norm.weight
-        self.head = Linear(model.get_output_embeddings().weight)  # hidden -> vocab_size
+        head = model.get_output_embeddings().weight  # [vocab_size, hidden]
+        self.vocab_size = head.shape[0]
+        self.kept_ids = kept_ids  # pruned draft vocabulary (services.draft_vocab), None = every id
+        self.head = Linear(head if kept_ids is None else head[kept_ids])  # hidden -> N kept ids (or vocab_size)
         self.scaling = self.head_dim**-0.5
         theta = config.rope_parameters["rope_theta"]
         self.inv_freq = 1.0 / (theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float) / self.head_dim))
@@ -224,4 +228,5 @@ class FastLlamaRunner:
             x = x + w_down(F.silu(gate) * up)
         cache.seq_len = end
         x = self._rms_norm(x[-1:] if last_only else x, self.norm)  # [m, hidden]
-        return self.head(x).float()
+        logits = self.head(x).float()  # [m, N]
+        return logits if self.kept_ids is None else scatter_kept(logits, self.kept_ids, self.vocab_size)

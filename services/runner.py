@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from services.draft_vocab import scatter_kept
 from services.kv import KVCache, KVPayload
 from services.loading import LoadedModel
 
@@ -16,9 +17,11 @@ from services.loading import LoadedModel
 class ModelRunner:
     """Generic path: transformers' forward with a ``DynamicCache``."""
 
-    def __init__(self, loaded: LoadedModel):
+    def __init__(self, loaded: LoadedModel, *, kept_ids: torch.Tensor | None = None):  # kept_ids: [N], None = full head
         self.loaded = loaded
         self.model = loaded.model
+        # pruned draft vocabulary: masked after the full head (same q as the compact forward, no saving)
+        self.kept_ids = kept_ids
 
     def new_cache(self) -> KVCache:
         return KVCache(self.model.config)
@@ -41,16 +44,23 @@ class ModelRunner:
             use_cache=True,
             logits_to_keep=1 if last_only else 0,
         )
-        return out.logits[0].float()
+        logits = out.logits[0].float()  # [m, vocab_size]
+        if self.kept_ids is None:
+            return logits
+        return scatter_kept(logits[:, self.kept_ids], self.kept_ids, logits.shape[-1])
 
 
-def make_runner(loaded: LoadedModel, *, fast: bool = True):
-    """The fastest runner that supports ``loaded`` (``fast=False`` forces transformers' forward)."""
+def make_runner(loaded: LoadedModel, *, fast: bool = True, kept_ids: torch.Tensor | None = None):
+    """The fastest runner that supports ``loaded`` (``fast=False`` forces transformers' forward).
+
+    ``kept_ids`` [N] prunes the LM head to those ids (a drafter's pruned vocabulary, services.draft_vocab):
+    logits elsewhere are -inf.
+    """
     from services import fast_llama
 
     if fast and fast_llama.supports(loaded.model.config):
-        return fast_llama.FastLlamaRunner(loaded)
-    return ModelRunner(loaded)
+        return fast_llama.FastLlamaRunner(loaded, kept_ids=kept_ids)
+    return ModelRunner(loaded, kept_ids=kept_ids)
 
 
 WARMUP_ROWS = (1, 2, 3, 4)  # verify / decode chunk sizes whose matmul plans are worth tuning before the first request

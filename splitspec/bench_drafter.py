@@ -1,0 +1,154 @@
+"""`splitspec bench drafter`: how often the drafter is right, and what it costs, on the run's own steps.
+
+Greedy, held-out prompts, in one process (run it with one torch thread). The
+target first answers every prompt alone (speculation off): that gives the
+reference output and t_target_step, the median of its one-token passes. Then
+the sequential loop runs every prompt for each k, with every proposal and
+every verify pass timed on its real context:
+
+- acceptance at draft position j: accepted at j / steps that drafted >= j
+  tokens (vLLM's per-position metric);
+- mean accepted length L_k: tokens emitted per verify step (bonus included);
+- t_draft_token: median over proposals of seconds / tokens drafted;
+  c = t_draft_token / t_target_step; v_k = t_verify(k + 1) / t_target_step.
+
+Ideal speedups over the target alone, with no overhead beyond those costs:
+sequential L_k / (k c + v_k) (draft, then verify; Leviathan et al.,
+arXiv 2211.17192, Sec. 3.4 with the measured L_k and v_k); overlapped
+L_k / max(k c, v_k) (the next draft hidden behind verification, as if it
+always started from the right token).
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+
+import torch
+
+from services.draft import DraftEngine
+from services.loading import LoadedModel
+from services.loop import GenerationResult, generate
+from services.models.distill import chat_ids
+from services.models.prompts import held_out_prompts
+from services.prefill import PrefillEngine
+from services.sampling import SamplingParams
+from services.verify import VerifyEngine
+from splitspec.bench_engine import Arm, StepCosts, TimedDraft, TimedVerify, _draft_vocab_size, _timed, _traced_generate
+
+logger = logging.getLogger(__name__)
+DEFAULT_KS = (1, 2, 3, 4, 5, 6)
+
+
+def acceptance_by_position(results: list[GenerationResult], k: int) -> list[float]:
+    """Per draft position j = 1..k: accepted at j / steps that drafted at least j tokens."""
+    drafted, accepted = [0] * k, [0] * k
+    for result in results:
+        for n in result.drafted_per_step:
+            for j in range(n):
+                drafted[j] += 1
+        for j, count in enumerate(result.stats.accepted_per_position):
+            accepted[j] += count
+    return [accepted[j] / drafted[j] if drafted[j] else 0.0 for j in range(k)]
+
+
+def ideal_speedups(mean_len: float, k: int, c: float, v_k: float) -> tuple[float, float]:
+    """(sequential, overlapped) ideal speedup over the target alone, in units of one target step."""
+    return mean_len / (k * c + v_k), mean_len / max(k * c, v_k)
+
+
+def _run_k(k: int, engines, prompts, references, *, max_new_tokens: int, t_target_step: float, off: Arm) -> dict:
+    prefill, drafts, verify, costs = engines
+    n_proposals, n_verify = len(costs.draft_token_s), len(costs.verify_s[k + 1])
+    arm, results, identical = Arm(f"k={k}"), [], True
+    for ids, ref in zip(prompts, references):
+        result = None
+
+        def run_one(ids=ids):
+            nonlocal result
+            result = _traced_generate(prefill, drafts, verify, ids, max_new_tokens=max_new_tokens,
+                                      num_draft_tokens=k, params=SamplingParams())
+            return result.token_ids
+
+        identical &= _timed(arm, run_one) == ref
+        results.append(result)
+    drafted = sum(r.stats.drafted for r in results)
+    accepted = sum(r.stats.accepted for r in results)
+    steps = sum(r.stats.steps for r in results)
+    t_draft_token = statistics.median(costs.draft_token_s[n_proposals:])
+    t_verify = statistics.median(costs.verify_s[k + 1][n_verify:])
+    mean_len = (accepted + steps) / steps
+    c, v_k = t_draft_token / t_target_step, t_verify / t_target_step
+    sequential, overlapped = ideal_speedups(mean_len, k, c, v_k)
+    return {
+        "k": k,
+        "acceptance_by_position": [round(a, 4) for a in acceptance_by_position(results, k)],
+        "acceptance_rate": round(accepted / drafted, 4) if drafted else 0.0,
+        "mean_accepted_length": round(mean_len, 3),
+        "t_draft_token_ms": round(t_draft_token * 1000, 3),
+        "t_verify_ms": round(t_verify * 1000, 3),
+        "draft_cost_ratio": round(c, 4),
+        "verify_cost_ratio": round(v_k, 4),
+        "ideal_speedup_sequential": round(sequential, 3),
+        "ideal_speedup_overlapped": round(overlapped, 3),
+        "measured_speedup_sequential": round(arm.tok_s / off.tok_s, 3),
+        "greedy_identical": identical,
+    }
+
+
+def run(
+    target: LoadedModel,
+    draft: LoadedModel,
+    *,
+    ks: list[int] = list(DEFAULT_KS),
+    num_prompts: int = 8,
+    max_new_tokens: int = 64,
+    draft_vocab_size: int | None = None,
+    progress=print,
+) -> dict:
+    prompts = [chat_ids(target.tokenizer, p) for p in held_out_prompts()[:num_prompts]]
+    costs = StepCosts()
+    prefill, draft_engine, verify_engine = PrefillEngine(target), DraftEngine(draft, draft_vocab_size=draft_vocab_size), VerifyEngine(target)
+    generate(prefill, draft_engine, verify_engine, prompts[0], max_new_tokens=8, num_draft_tokens=2, params=SamplingParams())  # warm up
+    engines = prefill, TimedDraft(draft_engine, costs), TimedVerify(verify_engine, costs), costs
+    # 1. the target alone: the reference output and the cost of one target step
+    off, references = Arm("speculation off"), []
+    for ids in prompts:
+        references.append(_timed(off, lambda ids=ids: generate(prefill, None, engines[2], ids, max_new_tokens=max_new_tokens,
+                                                                num_draft_tokens=1, params=SamplingParams()).token_ids))
+    t_target_step = statistics.median(costs.verify_s[1])
+    vocab = _draft_vocab_size(draft_engine)
+    progress(f"target alone: {off.tok_s:.2f} tok/s, t_target_step {t_target_step * 1000:.2f} ms; "
+             f"drafter head keeps {vocab} of {draft.vocab_size} ids")
+    # 2. the speculative loop at each k
+    rows = []
+    for k in ks:
+        row = _run_k(k, engines, prompts, references, max_new_tokens=max_new_tokens, t_target_step=t_target_step, off=off)
+        rows.append(row)
+        progress(f"k={k}: acceptance by position {row['acceptance_by_position']}, rate {row['acceptance_rate']:.1%}, "
+                 f"mean accepted length {row['mean_accepted_length']:.2f}; t_draft_token {row['t_draft_token_ms']:.2f} ms "
+                 f"(c = {row['draft_cost_ratio']:.3f}), v_k = {row['verify_cost_ratio']:.2f}; ideal "
+                 f"{row['ideal_speedup_sequential']:.2f}x sequential, {row['ideal_speedup_overlapped']:.2f}x overlapped; "
+                 f"measured {row['measured_speedup_sequential']:.2f}x; identical={row['greedy_identical']}")
+    return _report(rows, costs, t_target_step, off, vocab, target, draft, len(prompts), max_new_tokens)
+
+
+def _report(rows, costs: StepCosts, t_target_step: float, off: Arm, vocab: int, target, draft, prompts: int, max_new_tokens: int) -> dict:
+    t_draft_token = statistics.median(costs.draft_token_s)
+    report = {f"acceptance_rate_k{r['k']}": r["acceptance_rate"] for r in rows}  # issue 8's goal: k = 3
+    report |= {f"mean_accepted_length_k{r['k']}": r["mean_accepted_length"] for r in rows}
+    report |= {
+        "draft_cost_ratio": round(t_draft_token / t_target_step, 4),
+        "t_draft_token_ms": round(t_draft_token * 1000, 3),
+        "t_target_step_ms": round(t_target_step * 1000, 3),
+        "target_tok_s": round(off.tok_s, 3),
+        "best_ideal_speedup_sequential": max(r["ideal_speedup_sequential"] for r in rows),
+        "best_ideal_speedup_overlapped": max(r["ideal_speedup_overlapped"] for r in rows),
+        "greedy_identical": all(r["greedy_identical"] for r in rows),
+        "setup": {
+            "prompts": prompts, "max_new_tokens": max_new_tokens, "threads": torch.get_num_threads(),
+            "target": target.model_id, "draft": draft.model_id, "draft_vocab_size": vocab,
+        },
+        "runs": rows,
+    }
+    return report
