@@ -48,6 +48,19 @@ def cmd_bench_engine(args) -> int:
     return _write_report(args, report)
 
 
+def cmd_bench_drafter(args) -> int:
+    from splitspec import bench_drafter
+
+    target, draft = _load_pair(args)
+    report = bench_drafter.run(target, draft, ks=[int(k) for k in args.ks.split(",")], num_prompts=args.prompts,
+                               max_new_tokens=args.max_new_tokens, draft_vocab_size=args.draft_vocab)
+    print(f"\ndrafter {report['setup']['draft']} (head keeps {report['setup']['draft_vocab_size']} ids): "
+          f"t_draft_token {report['t_draft_token_ms']:.2f} ms, t_target_step {report['t_target_step_ms']:.2f} ms, "
+          f"c = {report['draft_cost_ratio']:.3f}; ideal speedup {report['best_ideal_speedup_sequential']:.2f}x sequential, "
+          f"{report['best_ideal_speedup_overlapped']:.2f}x overlapped; greedy identical: {report['greedy_identical']}")
+    return _write_report(args, report)
+
+
 def _write_report(args, report: dict) -> int:
     """Write the benchmark report as JSON if asked; fail the run if any output differed from the target alone."""
     if args.json:
@@ -250,6 +263,15 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--max-new-tokens", type=int, default=64)
     engine.add_argument("--json", help="also write the report as JSON here")
     engine.set_defaults(fn=cmd_bench_engine)
+    drafter = bench.add_parser("drafter", help="drafter acceptance by position and cost ratio c on the run's own steps")
+    _model_args(drafter)
+    drafter.add_argument("--ks", default="1,2,3,4,5,6", help="draft lengths to run, comma separated")
+    drafter.add_argument("--prompts", type=int, default=8, help="held-out prompts")
+    drafter.add_argument("--max-new-tokens", type=int, default=64)
+    drafter.add_argument("--draft-vocab", type=int, default=None,
+                         help="ids the drafter's LM head keeps (default: the drafter's shipped size; 0 = full vocabulary)")
+    drafter.add_argument("--json", help="also write the report as JSON here")
+    drafter.set_defaults(fn=cmd_bench_drafter)
     grpc_bench = bench.add_parser("grpc", help="tokens/s through the gRPC service, speculation on vs off")
     grpc_bench.add_argument("--address", help="a running service (default: start a local one)")
     grpc_bench.add_argument("--nodes", type=int, default=1, choices=[1, 3])
