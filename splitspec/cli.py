@@ -110,11 +110,13 @@ def _load_config(path: str | None):
 
 
 def cmd_serve(args) -> int:
-    from splitspec import cluster, stopping
+    from splitspec import stopping
+
+    # Own Ctrl-C / SIGTERM first (before the heavy imports): a stop asked for during start-up is bounded too.
+    stopper = stopping.Stopper(args.stop_timeout).install()
+    from splitspec import cluster
     from splitspec.v1 import splitspec_pb2  # noqa: F401 - fail here, not in the proxy, if the stubs are broken
 
-    # Own Ctrl-C / SIGTERM before anything starts: a stop asked for during start-up is bounded too.
-    stopper = stopping.Stopper(args.stop_timeout).install()
     config = _load_config(args.config)
     if not config.models.target or not config.models.draft:
         from services.models import default_pair

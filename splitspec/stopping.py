@@ -14,6 +14,7 @@ Ctrl-C forces the stop even then.
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
 import select
@@ -30,6 +31,7 @@ logger = logging.getLogger(__name__)
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 DEFAULT_STOP_TIMEOUT_S = 30.0
 TERM_GRACE_S = 2.0  # SIGTERM first, then SIGKILL after this long
+EXIT_WAIT_S = 5.0  # after ray.shutdown(), how long Ray's processes get to exit on their own
 SNAPSHOT_PERIOD_S = 2.0  # how often the watchdog records new child processes (replica workers come and go)
 FORCED_EXIT_CODE = 1
 
@@ -83,7 +85,7 @@ class Stopper:
         ... start; stopper.requested.wait() ...
         stopper.begin()          # the bound starts (already started by a signal)
         ... graceful stop ...
-        stopper.finish()         # end whatever of ours is still alive
+        stopper.finish()         # end whatever of ours is still alive (the bound holds until exit)
     """
 
     def __init__(self, timeout_s: float = DEFAULT_STOP_TIMEOUT_S, *, out=None):
@@ -92,7 +94,6 @@ class Stopper:
         self.owned = OwnedProcesses()
         self._out = out or sys.stderr
         self._deadline: float | None = None
-        self._finished = threading.Event()
         self._signals = 0
         self._lock = threading.Lock()
         self._rsock, self._wsock = socket.socketpair()
@@ -119,11 +120,15 @@ class Stopper:
                 self._say(f"stopping{f' ({why})' if why else ''}: within {self.timeout_s:g}s; Ctrl-C again forces it")
 
     def finish(self) -> list[str]:
-        """After the graceful stop: end whatever we started that is still alive; return what was ended."""
+        """After the graceful stop: give our processes a moment to exit, end the rest; return what was ended.
+
+        The watchdog keeps guarding the bound until the process is gone (atexit handlers and thread joins run
+        after this).
+        """
+        psutil.wait_procs(self.owned.alive(), timeout=EXIT_WAIT_S)
         left = self.owned.end()
         if left:
             self._say(f"ended {len(left)} leftover process(es): {', '.join(left)}")
-        self._finished.set()
         return left
 
     def _on_signal(self, signum, frame) -> None:  # Python-level handler: only records the request
@@ -133,7 +138,7 @@ class Stopper:
 
     def _watch(self) -> None:
         last_snapshot = 0.0
-        while not self._finished.is_set():
+        while True:
             wait = SNAPSHOT_PERIOD_S
             if self._deadline is not None:
                 wait = max(0.0, min(wait, self._deadline - time.monotonic()))
@@ -147,14 +152,18 @@ class Stopper:
                             self.begin(f"{signal.Signals(signum).name} received")
                         else:
                             self._force(f"{signal.Signals(signum).name} received again")
-            if self._deadline is not None and time.monotonic() >= self._deadline and not self._finished.is_set():
+            if self._deadline is not None and time.monotonic() >= self._deadline:
                 self._force(f"not stopped after {self.timeout_s:g}s")
             if time.monotonic() - last_snapshot >= SNAPSHOT_PERIOD_S:
                 self.owned.snapshot()
                 last_snapshot = time.monotonic()
 
     def _force(self, why: str) -> None:
-        self._say(f"forcing the stop: {why}")
+        self._say(f"forcing the stop: {why}; where each thread was:")
+        try:  # where the graceful stop hung, for the log
+            faulthandler.dump_traceback(file=self._out, all_threads=True)
+        except (OSError, ValueError, AttributeError):
+            pass
         left = self.owned.end(grace_s=0.5)
         if left:
             self._say(f"ended {len(left)} process(es): {', '.join(left)}")
