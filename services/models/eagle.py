@@ -1,0 +1,430 @@
+"""An EAGLE-style drafter: a one-layer head that reads the target's features.
+
+EAGLE (arXiv 2401.15077) drafts at the feature level: from the target's
+feature f_t at position t and the embedding of the next token x_{t+1}, one
+decoder layer predicts the next feature, and the target's LM head turns it
+into a token. Chain drafting feeds the predicted feature back. EAGLE-3
+(arXiv 2503.01840) fuses low, mid and high-layer features and trains on its
+own chained predictions ("training-time test"); both are here:
+
+    g_t   = W_in f_t                          target feature (``final``: final-norm output, or ``fused``: 3 layers)
+    z_t   = W_fc [norm(g_t) ; norm(E x_{t+1})]
+    h_t   = DecoderLayer(z_≤t)                attends over the accepted context's z
+    q_t   = softmax(E_kept norm_out(h_t))     draft distribution over the kept ids (FR-Spec, arXiv 2502.14856)
+    g_t+1 = W_in norm_out(h_t)  (final)  |  h_t  (fused, as EAGLE-3)   fed back for the next draft token
+
+Embeddings and LM-head rows are the target's, frozen; only the head trains
+(soft cross-entropy to the target's top-K + smooth-L1 to the target's next
+feature). ``chain`` runs s = 1..S draft steps from every start position at
+once: step s at row t attends to the context's keys up to t and to its own
+chain's keys (steps 2..s), exactly what drafting from t sees.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from tqdm.auto import tqdm
+
+logger = logging.getLogger(__name__)
+NO_ID = -1  # remap entry of a vocabulary id outside the kept draft vocabulary
+
+
+@dataclass(frozen=True)
+class EagleConfig:
+    feature: str = "final"  # "final" (EAGLE) or "fused" (EAGLE-3 low/mid/high)
+    draft_vocab: int = 16384  # kept ids: the most frequent in the target's training answers (0 = all)
+    ttt_steps: int = 3  # chain steps unrolled in training
+    reg_weight: float = 0.5  # smooth-L1 feature regression, beside the cross-entropy
+    epochs: int = 1
+    batch_size: int = 8  # sequences per optimiser step
+    lr: float = 1e-3
+    warmup_steps: int = 30
+    seed: int = 0
+    num_threads: int = 1
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, weight: torch.Tensor, eps: float):
+        super().__init__()
+        self.weight, self.eps = nn.Parameter(weight.clone().float()), eps
+
+    def forward(self, x):
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
+
+
+def kept_vocabulary(rows: list[dict], size: int, vocab_size: int) -> torch.Tensor:
+    """The ``size`` ids the target emits most often in ``rows`` (ties by id), sorted."""
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for r in rows:
+        counts += torch.bincount(r["ids"][r["prompt_len"]:].long(), minlength=vocab_size)
+    if not size or size >= vocab_size:
+        return torch.arange(vocab_size)
+    return torch.sort(torch.topk(counts, size, sorted=True).indices).values
+
+
+class EagleHead(nn.Module):
+    def __init__(self, target, cfg: EagleConfig, kept_ids: torch.Tensor, feature_dim: int):
+        super().__init__()
+        c = target.config
+        h, eps = c.hidden_size, c.rms_norm_eps
+        self.cfg, self.feature_dim = cfg, feature_dim
+        self.num_heads, self.num_kv_heads = c.num_attention_heads, c.num_key_value_heads
+        self.head_dim = getattr(c, "head_dim", None) or h // self.num_heads
+        self.inv_freq = 1.0 / (c.rope_parameters["rope_theta"] ** (torch.arange(0, self.head_dim, 2).float() / self.head_dim))
+        embed = target.model.embed_tokens.weight.detach().float()
+        self.register_buffer("embed", embed, persistent=False)  # [vocab_size, h], frozen
+        self.register_buffer("kept_ids", kept_ids.long())  # [N]
+        remap = torch.full((embed.shape[0],), NO_ID, dtype=torch.long)
+        remap[kept_ids] = torch.arange(len(kept_ids))
+        self.register_buffer("remap", remap, persistent=False)  # [vocab_size] -> kept index or NO_ID
+        ones = torch.ones(h)
+        self.feature_in = nn.Linear(feature_dim, h, bias=False)
+        self.norm_feat, self.norm_emb = RMSNorm(ones, eps), RMSNorm(ones, eps)
+        self.fc = nn.Linear(2 * h, h, bias=False)
+        last = target.model.layers[-1]  # the layer's weights start from the target's last layer
+        attn, mlp = last.self_attn, last.mlp
+        self.ln1, self.ln2 = RMSNorm(last.input_layernorm.weight.detach(), eps), RMSNorm(last.post_attention_layernorm.weight.detach(), eps)
+        self.wq, self.wk, self.wv, self.wo = (_linear(m.weight) for m in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj))
+        self.w_gate, self.w_up, self.w_down = (_linear(m.weight) for m in (mlp.gate_proj, mlp.up_proj, mlp.down_proj))
+        self.norm_out = RMSNorm(target.model.norm.weight.detach(), eps)
+        with torch.no_grad():
+            eye = torch.eye(h)
+            self.fc.weight.copy_(torch.cat([eye, eye], dim=1) * 0.5)
+            if feature_dim == h:
+                self.feature_in.weight.copy_(eye)
+
+    def rope(self, positions: torch.Tensor):  # [..., L] -> cos, sin [..., L, d]
+        freqs = positions[..., None].float() * self.inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos(), emb.sin()
+
+    @staticmethod
+    def rotate(x, cos, sin):  # x: [B, heads, L, d]; cos/sin: [B, 1, L, d]
+        half = x.shape[-1] // 2
+        return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+    def inputs(self, g: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:  # [B, L, h], [B, L] -> z [B, L, h]
+        return self.fc(torch.cat([self.norm_feat(g), self.norm_emb(self.embed[tokens])], dim=-1))
+
+    def qkv(self, z, positions):  # z: [B, L, h] -> q [B, H, L, d], k/v [B, H_kv, L, d]
+        B, L, _ = z.shape
+        a = self.ln1(z)
+        q = self.wq(a).view(B, L, self.num_heads, self.head_dim).transpose(1, 2)
+        k = self.wk(a).view(B, L, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.wv(a).view(B, L, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        cos, sin = self.rope(positions)
+        return self.rotate(q, cos[:, None], sin[:, None]), self.rotate(k, cos[:, None], sin[:, None]), v
+
+    def finish(self, z, attn):  # z: [B, L, h], attn: [B, H, L, d] -> h_out [B, L, h]
+        B, L, _ = z.shape
+        x = z + self.wo(attn.transpose(1, 2).reshape(B, L, -1))
+        return x + self.w_down(F.silu(self.w_gate(self.ln2(x))) * self.w_up(self.ln2(x)))
+
+    def logits(self, h_out: torch.Tensor) -> torch.Tensor:  # [..., h] -> [..., N] over kept ids
+        return self.norm_out(h_out) @ self.embed[self.kept_ids].t()
+
+    def feedback(self, h_out: torch.Tensor) -> torch.Tensor:  # the next step's g
+        return self.feature_in(self.norm_out(h_out)) if self.cfg.feature == "final" else h_out
+
+    def chain(self, features, tokens, steps: int, *, teacher_tokens: bool):
+        """Draft ``steps`` tokens from every start row at once.
+
+        features: [B, L, feature_dim] target features at positions 0..L-1;
+        tokens:   [B, L + steps] token ids (x_1.. : row t's step s reads x_{t+s}).
+        Returns per step h_out [B, L, h] and, without ``teacher_tokens``, the
+        drafted ids [B, L] (argmax over the kept ids, fed to the next step);
+        with ``teacher_tokens`` step s > 1 reads the true x_{t+s} instead.
+        """
+        B, L, _ = features.shape
+        rep = self.num_heads // self.num_kv_heads
+        positions = torch.arange(L).expand(B, L)
+        causal = torch.ones(L, L, dtype=torch.bool).tril()
+        g, step_tokens = self.feature_in(self.prepare(features)), tokens[:, :L]
+        ctx_k = ctx_v = None
+        diag_k, diag_v, out, drafted = [], [], [], []
+        for s in range(steps):
+            z = self.inputs(g, step_tokens)
+            q, k, v = self.qkv(z, positions + s)
+            if s == 0:
+                ctx_k, ctx_v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)  # [B, H, L, d]
+            else:
+                diag_k.append(k.repeat_interleave(rep, 1))
+                diag_v.append(v.repeat_interleave(rep, 1))
+            scores = (q @ ctx_k.transpose(-1, -2)).masked_fill(~causal, -math.inf)  # [B, H, L, L]
+            diag = [(q * dk).sum(-1, keepdim=True) for dk in diag_k]  # each [B, H, L, 1]
+            p = torch.softmax(torch.cat([scores, *diag], dim=-1) / math.sqrt(self.head_dim), dim=-1)
+            attn = p[..., :L] @ ctx_v + sum(p[..., L + r, None] * dv for r, dv in enumerate(diag_v))
+            h_out = self.finish(z, attn)
+            out.append(h_out)
+            if not teacher_tokens:
+                drafted.append(self.kept_ids[self.logits(h_out).argmax(-1)])
+            if s + 1 < steps:
+                g = self.feedback(h_out)
+                step_tokens = tokens[:, s + 1 : s + 1 + L] if teacher_tokens else drafted[-1]
+        return out, drafted
+
+    def prepare(self, features: torch.Tensor) -> torch.Tensor:
+        """Fused features: each layer's residual stream RMS-normalised (their scales differ by orders)."""
+        if self.cfg.feature != "fused":
+            return features
+        parts = features.float().unflatten(-1, (-1, self.norm_out.weight.shape[0]))
+        return (parts * torch.rsqrt(parts.pow(2).mean(-1, keepdim=True) + 1e-6)).flatten(-2)
+
+    def trainable_state(self) -> dict[str, torch.Tensor]:
+        return {k: v for k, v in self.state_dict().items() if k != "kept_ids"}
+
+
+def _linear(weight: torch.Tensor) -> nn.Linear:
+    layer = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+    layer.weight.data.copy_(weight.detach().float())
+    return layer
+
+
+# ---- data ------------------------------------------------------------------------------------------
+
+
+def feature_of(row: dict, feature: str) -> torch.Tensor:  # [n - 1, feature_dim]
+    return row[feature]
+
+
+def collate(rows: list[dict], feature: str, steps: int, top_k: int):
+    """Right-padded batch for ``chain`` and the loss targets.
+
+    Returns features [B, L, F], tokens [B, L + steps], teacher ids / log-probs
+    [B, L + steps, K] at each *position* (the target's distribution for the
+    next token), next features [B, L + steps, h] and a mask of positions with a
+    teacher (answer positions).
+    """
+    L = max(len(r["ids"]) - 1 for r in rows)
+    B = len(rows)
+    fdim, h = feature_of(rows[0], feature).shape[-1], rows[0]["final"].shape[-1]
+    feats = torch.zeros(B, L, fdim)
+    tokens = torch.zeros(B, L + steps, dtype=torch.long)
+    t_idx = torch.zeros(B, L + steps, top_k, dtype=torch.long)
+    t_logp = torch.full((B, L + steps, top_k), -math.inf)
+    final = torch.zeros(B, L + steps, h)
+    has_teacher = torch.zeros(B, L + steps, dtype=torch.bool)
+    for b, r in enumerate(rows):
+        n, p = len(r["ids"]), r["prompt_len"]
+        feats[b, : n - 1] = feature_of(r, feature).float()
+        tokens[b, : n - 1] = r["ids"][1:].long()
+        final[b, : n - 1] = r["final"].float()
+        t_idx[b, p - 1 : n - 1] = r["top_idx"][: n - p].long()
+        t_logp[b, p - 1 : n - 1] = r["top_logp"][: n - p].float()
+        has_teacher[b, p - 1 : n - 1] = True
+    return feats, tokens, t_idx, t_logp, final, has_teacher
+
+
+def chain_loss(head: EagleHead, batch, steps: int, reg_weight: float):
+    """Mean over steps of soft CE to the target's top-K (kept ids) + smooth-L1 to the next feature."""
+    feats, tokens, t_idx, t_logp, final, has_teacher = batch
+    L = feats.shape[1]
+    total, parts = 0.0, []
+    for s, h_out in enumerate(head.chain(feats, tokens, steps, teacher_tokens=True)[0]):
+        pos = slice(s + 1, s + 1 + L)  # row t at step s drafts the token the target predicts at position t+s+1
+        mask = has_teacher[:, pos]
+        idx, logp = head.remap[t_idx[:, pos][mask]], t_logp[:, pos][mask]  # [M, K]
+        logp = logp.masked_fill(idx == NO_ID, -math.inf)
+        weight = torch.softmax(logp, dim=-1).nan_to_num(0.0)  # teacher renormalised over the kept ids
+        logq = torch.log_softmax(head.logits(h_out[mask]), dim=-1)  # [M, N], answer positions only
+        ce = -(weight * logq.gather(-1, idx.clamp(min=0))).sum(-1).mean()
+        reg = F.smooth_l1_loss(head.norm_out(h_out[mask]), final[:, pos][mask])
+        total = total + ce + reg_weight * reg
+        parts.append(round(ce.item(), 3))
+    return total / steps, parts
+
+
+def train(head: EagleHead, rows: list[dict], cfg: EagleConfig, top_k: int, *, eval_fn=None, max_seconds: float | None = None):
+    """AdamW with warmup + cosine over ``cfg.epochs``; returns the loss log."""
+    params = [p for p in head.parameters() if p.requires_grad]
+    optim = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
+    generator = torch.Generator().manual_seed(cfg.seed)
+    per_epoch = math.ceil(len(rows) / cfg.batch_size)
+    total = per_epoch * cfg.epochs
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optim, lambda s: min(1.0, (s + 1) / cfg.warmup_steps) * 0.5 * (1 + math.cos(math.pi * min(s, total) / total)))
+    log, start = [], time.perf_counter()
+    bar = tqdm(total=total, desc=f"eagle head ({cfg.feature})", unit="step")
+    step = 0
+    for epoch in range(cfg.epochs):
+        order = torch.randperm(len(rows), generator=generator).tolist()
+        for i in range(0, len(order), cfg.batch_size):
+            batch = collate([rows[j] for j in order[i : i + cfg.batch_size]], cfg.feature, cfg.ttt_steps, top_k)
+            loss, parts = chain_loss(head, batch, cfg.ttt_steps, cfg.reg_weight)
+            optim.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            optim.step()
+            schedule.step()
+            step += 1
+            log.append({"step": step, "loss": round(loss.item(), 4), "ce_by_step": parts})
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss.item():.3f}", ce=parts)
+            if step % 50 == 0:
+                logger.info("step %d/%d loss %.3f ce by step %s (%.0f s)", step, total, loss.item(), parts, time.perf_counter() - start)
+            if max_seconds and time.perf_counter() - start > max_seconds:
+                logger.info("time budget spent after %d of %d steps", step, total)
+                bar.close()
+                return log
+        if eval_fn is not None:
+            logger.info("epoch %d: %s", epoch, eval_fn(head))
+    bar.close()
+    return log
+
+
+# ---- acceptance --------------------------------------------------------------------------------------
+
+
+def walk(ids: torch.Tensor, prompt_len: int, drafts: torch.Tensor, k: int) -> list[int]:
+    """Greedy speculative decoding along the target's own greedy answer ``ids``.
+
+    drafts: [S, n] with drafts[s, t] the (s+1)-th draft token from a context
+    ending at x_{t+1} (it guesses x_{t+s+2}). Starts after prefill (context =
+    prompt + first answer token), drafts k, accepts the matching prefix, moves
+    past the accepted tokens and the target's own token. Returns the number
+    accepted at each step.
+    """
+    n, t, accepted = len(ids), prompt_len - 1, []
+    while t + 2 <= n - 1:
+        kk = min(k, n - 2 - t)
+        m = 0
+        while m < kk and int(drafts[m, t]) == int(ids[t + m + 2]):
+            m += 1
+        accepted.append(m)
+        t += m + 1
+    return accepted
+
+
+def summarize(per_step: list[int], k: int) -> dict:
+    steps = len(per_step)
+    by_pos = [sum(a > j for a in per_step) / steps for j in range(k)]
+    return {
+        "k": k, "steps": steps, "acceptance_rate": round(sum(per_step) / (k * steps), 4),
+        "acceptance_by_position": [round(x, 4) for x in by_pos],
+        "mean_accepted_length": round(1 + sum(per_step) / steps, 4),
+    }
+
+
+@torch.inference_mode()
+def eagle_drafts(head: EagleHead, row: dict, steps: int) -> torch.Tensor:  # -> [steps, n - 1] token ids
+    n = len(row["ids"])
+    feats = feature_of(row, head.cfg.feature).float()[None]  # [1, n - 1, F]
+    tokens = torch.zeros(1, n - 1 + steps, dtype=torch.long)
+    tokens[0, : n - 1] = row["ids"][1:].long()
+    return torch.cat(head.chain(feats, tokens, steps, teacher_tokens=False)[1])
+
+
+@torch.inference_mode()
+def model_drafts(drafter, row: dict, steps: int, kept_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """A token-only drafter's greedy chain equals its teacher-forced argmax while it keeps matching."""
+    logits = drafter(input_ids=row["ids"].long()[None]).logits[0]  # [n, vocab_size]
+    if kept_ids is not None:
+        pred = kept_ids[logits[:, kept_ids].argmax(-1)]
+    else:
+        pred = logits.argmax(-1)  # pred[j] guesses x_{j+1}
+    n = len(row["ids"])
+    drafts = torch.full((steps, n - 1), -1, dtype=torch.long)
+    for s in range(steps):  # step s from context ending at x_{t+1} guesses x_{t+s+2} = pred[t+s+1]
+        drafts[s, : n - 2 - s] = pred[s + 1 : n - 1]
+    return drafts
+
+
+def acceptance(drafts_fn, rows: list[dict], ks=(1, 2, 3, 4)) -> dict:
+    """Acceptance by position for each k, over ``rows`` (greedy; chains of up to max(ks))."""
+    per_k = {k: [] for k in ks}
+    for r in rows:
+        drafts = drafts_fn(r, max(ks))
+        for k in ks:
+            per_k[k] += walk(r["ids"], r["prompt_len"], drafts, k)
+    return {f"k{k}": summarize(v, k) for k, v in per_k.items()}
+
+
+def report_json(**parts) -> str:
+    return json.dumps(parts, indent=2, default=lambda o: asdict(o) if hasattr(o, "__dataclass_fields__") else str(o))
+
+
+# ---- inference (one sequence, KV cache) -------------------------------------------------------------
+
+
+class HeadSession:
+    """Drafting with a trained head for one sequence: what a draft engine session would run.
+
+    ``extend(features, tokens)`` appends accepted positions (the target's
+    features f_a..f_t and the tokens x_{a+1}..x_{t+1}) and returns the first
+    draft token; ``draft(k)`` chains k tokens; ``rollback()`` drops the chain
+    so the next ``extend`` continues from the accepted context. Weights are
+    kept as [in, out] (the GEMV layout, see fast_llama.Linear).
+    """
+
+    def __init__(self, head: EagleHead, capacity: int = 1024):
+        self.head = head
+        t = lambda lin: lin.weight.detach().t().contiguous()  # noqa: E731  [in, out]
+        self.w_in, self.w_fc = t(head.feature_in), t(head.fc)
+        self.w_qkv = torch.cat([t(head.wq), t(head.wk), t(head.wv)], dim=1)
+        self.w_o, self.w_gu, self.w_down = t(head.wo), torch.cat([t(head.w_gate), t(head.w_up)], dim=1), t(head.w_down)
+        self.w_head = head.embed[head.kept_ids].t().contiguous()  # [h, N]
+        self.k = torch.zeros(head.num_kv_heads, capacity, head.head_dim)
+        self.v = torch.zeros_like(self.k)
+        self.length = 0  # accepted context rows
+        self.chain_len = 0
+        self.g = self.last_token = None
+
+    @staticmethod
+    def _norm(x, norm: RMSNorm):
+        return norm.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.eps))
+
+    def _rows(self, g, tokens, start):  # g: [n, h], tokens: [n] -> h_out [n, h]; writes K/V at start..start+n
+        hd = self.head
+        n, H, Hk, d = len(tokens), hd.num_heads, hd.num_kv_heads, hd.head_dim
+        z = torch.cat([self._norm(g, hd.norm_feat), self._norm(hd.embed[tokens], hd.norm_emb)], -1) @ self.w_fc
+        qkv = self._norm(z, hd.ln1) @ self.w_qkv
+        q = qkv[:, : H * d].view(n, H, d).transpose(0, 1)
+        k = qkv[:, H * d : (H + Hk) * d].view(n, Hk, d).transpose(0, 1)
+        v = qkv[:, (H + Hk) * d :].view(n, Hk, d).transpose(0, 1)
+        cos, sin = hd.rope(torch.arange(start, start + n))
+        q, k = hd.rotate(q[None], cos[None, None], sin[None, None])[0], hd.rotate(k[None], cos[None, None], sin[None, None])[0]
+        end = start + n
+        self.k[:, start:end], self.v[:, start:end] = k, v
+        mask = torch.ones(n, end, dtype=torch.bool).tril_(diagonal=start) if n > 1 else None
+        attn = F.scaled_dot_product_attention(q[None], self.k[None, :, :end], self.v[None, :, :end], attn_mask=mask, enable_gqa=True)[0]
+        x = z + attn.transpose(0, 1).reshape(n, H * d) @ self.w_o
+        gate, up = (self._norm(x, hd.ln2) @ self.w_gu).chunk(2, dim=-1)
+        return x + (F.silu(gate) * up) @ self.w_down
+
+    def _next(self, h_out):  # [h] -> drafted id
+        return int(self.head.kept_ids[(self._norm(h_out, self.head.norm_out) @ self.w_head).argmax()])
+
+    def _feedback(self, h_out):
+        if self.head.cfg.feature == "final":
+            return self._norm(h_out, self.head.norm_out) @ self.w_in
+        return h_out
+
+    @torch.inference_mode()
+    def extend(self, features: torch.Tensor, tokens: torch.Tensor) -> int:  # [n, F], [n]
+        g = self.head.prepare(features.float()) @ self.w_in
+        h_out = self._rows(g, tokens.long(), self.length)
+        self.length += len(tokens)
+        self.chain_len = 0
+        token = self._next(h_out[-1])
+        self.g, self.last_token = self._feedback(h_out[-1:]), token
+        return token
+
+    @torch.inference_mode()
+    def draft_one(self) -> int:
+        """The next chained draft token (after ``extend`` gave the first)."""
+        h_out = self._rows(self.g, torch.tensor([self.last_token]), self.length + self.chain_len)
+        self.chain_len += 1
+        token = self._next(h_out[-1])
+        self.g, self.last_token = self._feedback(h_out[-1:]), token
+        return token
+
+    def rollback(self) -> None:
+        self.chain_len = 0
