@@ -289,8 +289,9 @@ def walk(ids: torch.Tensor, prompt_len: int, drafts: torch.Tensor, k: int) -> li
     drafts: [S, n] with drafts[s, t] the (s+1)-th draft token from a context
     ending at x_{t+1} (it guesses x_{t+s+2}). Starts after prefill (context =
     prompt + first answer token), drafts k, accepts the matching prefix, moves
-    past the accepted tokens and the target's own token. Returns the number
-    accepted at each step.
+    past the accepted tokens and the target's own token. Returns (accepted,
+    drafted) per step; near the end of the answer fewer than k are drafted,
+    as the loop does.
     """
     n, t, accepted = len(ids), prompt_len - 1, []
     while t + 2 <= n - 1:
@@ -298,18 +299,20 @@ def walk(ids: torch.Tensor, prompt_len: int, drafts: torch.Tensor, k: int) -> li
         m = 0
         while m < kk and int(drafts[m, t]) == int(ids[t + m + 2]):
             m += 1
-        accepted.append(m)
+        accepted.append((m, kk))
         t += m + 1
     return accepted
 
 
-def summarize(per_step: list[int], k: int) -> dict:
+def summarize(per_step: list[tuple[int, int]], k: int) -> dict:
+    """Accepted / drafted, acceptance at each draft position, tokens per verify step (incl. the target's)."""
     steps = len(per_step)
-    by_pos = [sum(a > j for a in per_step) / steps for j in range(k)]
+    accepted, drafted = sum(m for m, _ in per_step), sum(kk for _, kk in per_step)
+    by_pos = [sum(m > j for m, _ in per_step) / max(sum(kk > j for _, kk in per_step), 1) for j in range(k)]
     return {
-        "k": k, "steps": steps, "acceptance_rate": round(sum(per_step) / (k * steps), 4),
+        "k": k, "steps": steps, "acceptance_rate": round(accepted / max(drafted, 1), 4),
         "acceptance_by_position": [round(x, 4) for x in by_pos],
-        "mean_accepted_length": round(1 + sum(per_step) / steps, 4),
+        "mean_accepted_length": round(1 + accepted / max(steps, 1), 4),
     }
 
 
