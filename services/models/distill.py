@@ -28,6 +28,8 @@ from services.models.prompts import held_out_prompts, train_prompts
 
 logger = logging.getLogger(__name__)
 HELD_OUT_TOKENS = 64  # answer length of held-out evaluation sequences
+TEMPLATE_DATA = "templates"
+SELFINSTRUCT_DATA = "selfinstruct"
 
 
 @dataclass(frozen=True)
@@ -44,9 +46,14 @@ class DistillConfig:
     warmup_steps: int = 20
     weight_decay: float = 0.0
     num_threads: int = 2
+    data: str = TEMPLATE_DATA  # TEMPLATE_DATA (prompts.train_prompts) or SELFINSTRUCT_DATA (selfinstruct shards)
+    max_shards: int | None = None  # with SELFINSTRUCT_DATA: train on the first shards only (data-size curve)
+    init: str = "target"  # "target": the target's first layers; "shipped": continue from the shipped drafter
 
     def data_key(self) -> str:
         fields = (self.seed, self.num_prompts, self.max_new_tokens, self.teacher_top_k)
+        if self.data != TEMPLATE_DATA:  # the template recipe keeps its cache key
+            fields += (self.data, self.max_shards)
         return hashlib.sha256(json.dumps(fields).encode()).hexdigest()[:12]
 
 
@@ -139,8 +146,12 @@ def _collate(data: dict, index: list[int], pad: int):
     return input_ids, attention, mask, top_idx, top_logp
 
 
-def distil(student, data: dict, cfg: DistillConfig, pad: int, held_out: dict | None = None) -> list[float]:
-    """Train the student's layers and norm to match the teacher's top-K distributions."""
+def distil(student, data: dict, cfg: DistillConfig, pad: int, held_out: dict | None = None, *,
+           callback=None, callback_every: int = 0) -> list[float]:
+    """Train the student's layers and norm to match the teacher's top-K distributions.
+
+    ``callback(step, student)`` runs every ``callback_every`` steps (in eval mode), e.g. for a learning curve.
+    """
     student.train()
     student.model.embed_tokens.requires_grad_(False)
     params = [p for n, p in student.named_parameters() if n.startswith("model.layers.") or n == "model.norm.weight"]
@@ -171,6 +182,10 @@ def distil(student, data: dict, cfg: DistillConfig, pad: int, held_out: dict | N
             losses.append(loss.item())
             bar.update(1)
             bar.set_postfix(loss=f"{sum(losses[-20:]) / len(losses[-20:]):.3f}")
+            if callback is not None and callback_every and len(losses) % callback_every == 0:
+                student.eval()
+                callback(len(losses), student)
+                student.train()
         if held_out is not None:
             student.eval()
             logger.info("epoch done: loss %.3f, held-out greedy agreement %.3f", losses[-1], greedy_agreement(student, held_out))
@@ -200,6 +215,15 @@ def greedy_agreement(student, held_out: dict) -> float:
     return hits / max(total, 1)
 
 
+def shipped_state() -> dict[str, torch.Tensor]:
+    """The shipped drafter's trained layers and norm (float32)."""
+    from safetensors.torch import load_file
+
+    from services.models.default_pair import SHIPPED_DRAFTER
+
+    return {k: v.float() for k, v in load_file(SHIPPED_DRAFTER).items()}
+
+
 def _cached(path: Path, make):
     if path.is_file():
         return torch.load(path)
@@ -214,10 +238,20 @@ def run(target, tokenizer, cfg: DistillConfig, cache_dir: Path) -> tuple[LlamaFo
     torch.set_num_threads(cfg.num_threads)
     cache_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
-    data = _cached(cache_dir / f"teacher-data-{cfg.data_key()}.pt", lambda: generate_teacher_data(target, tokenizer, cfg))
+    if cfg.data == SELFINSTRUCT_DATA:  # generated (and cached) by selfinstruct.build; never regenerated here
+        from services.models import selfinstruct
+
+        rows = selfinstruct.load(cache_dir.parent / "selfinstruct", selfinstruct.DataConfig(), max_shards=cfg.max_shards)["rows"]
+        if not rows:
+            raise FileNotFoundError("no self-instruct shards: run selfinstruct.build first")
+        data = selfinstruct.to_distill_data(rows)
+    else:
+        data = _cached(cache_dir / f"teacher-data-{cfg.data_key()}.pt", lambda: generate_teacher_data(target, tokenizer, cfg))
     held_out = _cached(cache_dir / f"held-out-{cfg.data_key()}.pt", lambda: held_out_data(target, tokenizer, cfg))
     t_data = time.time() - t0
     student = truncated_student(target, cfg.num_layers)
+    if cfg.init == "shipped":
+        student.load_state_dict(shipped_state(), strict=False)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     before = greedy_agreement(student, held_out)
     losses = distil(student, data, cfg, pad, held_out)

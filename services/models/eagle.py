@@ -44,9 +44,9 @@ class EagleConfig:
     ttt_steps: int = 3  # chain steps unrolled in training
     reg_weight: float = 0.5  # smooth-L1 feature regression, beside the cross-entropy
     epochs: int = 1
-    batch_size: int = 8  # sequences per optimiser step
+    batch_size: int = 4  # sequences per optimiser step
     lr: float = 1e-3
-    warmup_steps: int = 30
+    warmup_steps: int = 10
     seed: int = 0
     num_threads: int = 1
 
@@ -89,13 +89,15 @@ class EagleHead(nn.Module):
         self.feature_in = nn.Linear(feature_dim, h, bias=False)
         self.norm_feat, self.norm_emb = RMSNorm(ones, eps), RMSNorm(ones, eps)
         self.fc = nn.Linear(2 * h, h, bias=False)
-        last = target.model.layers[-1]  # the layer's weights start from the target's last layer
+        last = target.model.layers[-1]  # q/k/v and the MLP's input projections start from the target's last layer
         attn, mlp = last.self_attn, last.mlp
         self.ln1, self.ln2 = RMSNorm(last.input_layernorm.weight.detach(), eps), RMSNorm(last.post_attention_layernorm.weight.detach(), eps)
         self.wq, self.wk, self.wv, self.wo = (_linear(m.weight) for m in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj))
         self.w_gate, self.w_up, self.w_down = (_linear(m.weight) for m in (mlp.gate_proj, mlp.up_proj, mlp.down_proj))
-        self.norm_out = RMSNorm(target.model.norm.weight.detach(), eps)
-        with torch.no_grad():
+        self.norm_out = RMSNorm(ones, eps)  # unit scale at first: the target's norm weights on z give CE ~70
+        with torch.no_grad():  # start as "h_out = z": output projections at zero, fc averages its two inputs
+            self.wo.weight.zero_()
+            self.w_down.weight.zero_()
             eye = torch.eye(h)
             self.fc.weight.copy_(torch.cat([eye, eye], dim=1) * 0.5)
             if feature_dim == h:
@@ -242,42 +244,53 @@ def chain_loss(head: EagleHead, batch, steps: int, reg_weight: float):
     return total / steps, parts
 
 
-def train(head: EagleHead, rows: list[dict], cfg: EagleConfig, top_k: int, *, eval_fn=None, max_seconds: float | None = None):
-    """AdamW with warmup + cosine over ``cfg.epochs``; returns the loss log."""
+def train(head: EagleHead, rows: list[dict], cfg: EagleConfig, top_k: int, *, max_seconds: float | None = None,
+          checkpoint=None) -> list[dict]:
+    """AdamW, warmup then cosine to zero over ``cfg.epochs`` or ``max_seconds``, whichever ends first.
+
+    With a time budget the cosine follows max(step fraction, time fraction),
+    so a run cut by the clock still ends annealed. ``checkpoint(step)`` runs
+    every ``CHECKPOINT_EVERY`` steps. Returns the loss log.
+    """
     params = [p for p in head.parameters() if p.requires_grad]
     optim = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
     generator = torch.Generator().manual_seed(cfg.seed)
-    per_epoch = math.ceil(len(rows) / cfg.batch_size)
-    total = per_epoch * cfg.epochs
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        optim, lambda s: min(1.0, (s + 1) / cfg.warmup_steps) * 0.5 * (1 + math.cos(math.pi * min(s, total) / total)))
-    log, start = [], time.perf_counter()
+    by_length = sorted(range(len(rows)), key=lambda i: len(rows[i]["ids"]))  # batches of similar length pad less
+    batches = [by_length[i : i + cfg.batch_size] for i in range(0, len(by_length), cfg.batch_size)]
+    total = len(batches) * cfg.epochs
+    log, start, step = [], time.perf_counter(), 0
     bar = tqdm(total=total, desc=f"eagle head ({cfg.feature})", unit="step")
-    step = 0
-    for epoch in range(cfg.epochs):
-        order = torch.randperm(len(rows), generator=generator).tolist()
-        for i in range(0, len(order), cfg.batch_size):
-            batch = collate([rows[j] for j in order[i : i + cfg.batch_size]], cfg.feature, cfg.ttt_steps, top_k)
+    for _ in range(cfg.epochs):
+        for b in torch.randperm(len(batches), generator=generator).tolist():
+            progress = step / total
+            if max_seconds:
+                progress = max(progress, (time.perf_counter() - start) / max_seconds)
+            if progress >= 1.0:
+                break
+            for group in optim.param_groups:
+                group["lr"] = cfg.lr * min(1.0, (step + 1) / cfg.warmup_steps) * 0.5 * (1 + math.cos(math.pi * progress))
+            batch = collate([rows[j] for j in batches[b]], cfg.feature, cfg.ttt_steps, top_k)
             loss, parts = chain_loss(head, batch, cfg.ttt_steps, cfg.reg_weight)
             optim.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
             optim.step()
-            schedule.step()
             step += 1
-            log.append({"step": step, "loss": round(loss.item(), 4), "ce_by_step": parts})
+            log.append({"step": step, "loss": round(loss.item(), 4), "ce_by_step": parts,
+                        "seconds": round(time.perf_counter() - start, 1)})
             bar.update(1)
             bar.set_postfix(loss=f"{loss.item():.3f}", ce=parts)
-            if step % 50 == 0:
-                logger.info("step %d/%d loss %.3f ce by step %s (%.0f s)", step, total, loss.item(), parts, time.perf_counter() - start)
-            if max_seconds and time.perf_counter() - start > max_seconds:
-                logger.info("time budget spent after %d of %d steps", step, total)
-                bar.close()
-                return log
-        if eval_fn is not None:
-            logger.info("epoch %d: %s", epoch, eval_fn(head))
+            if step % CHECKPOINT_EVERY == 0:
+                recent = log[-CHECKPOINT_EVERY:]
+                logger.info("step %d/%d mean loss %.3f, last ce by step %s (%.0f s)", step, total,
+                            sum(x["loss"] for x in recent) / len(recent), parts, time.perf_counter() - start)
+                if checkpoint is not None:
+                    checkpoint(step)
     bar.close()
     return log
+
+
+CHECKPOINT_EVERY = 25  # optimiser steps between progress logs / checkpoints
 
 
 # ---- acceptance --------------------------------------------------------------------------------------

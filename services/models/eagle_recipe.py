@@ -45,6 +45,12 @@ def evaluate(drafts_fn, sets: dict) -> dict:
     return {name: eagle.acceptance(drafts_fn, rows) for name, rows in sets.items()}
 
 
+def coverage(kept_ids: torch.Tensor, rows: list[dict]) -> float:
+    """Fraction of the target's answer tokens that the pruned draft vocabulary can propose."""
+    answers = torch.cat([r["ids"][r["prompt_len"]:].long() for r in rows])
+    return torch.isin(answers, kept_ids).float().mean().item()
+
+
 def _median_time(fn) -> float:
     fn()
     times = []
@@ -137,7 +143,9 @@ def main(argv=None):
     kept = eagle.kept_vocabulary(rows, cfg.draft_vocab, target.config.vocab_size)
     head = eagle.EagleHead(target, cfg, kept, rows[0][cfg.feature].shape[-1])
     t0 = time.perf_counter()
-    log = eagle.train(head, rows, cfg, data_cfg.teacher_top_k, max_seconds=args.train_seconds)
+    ckpt = home() / "selfinstruct" / f"eagle-{cfg.feature}-checkpoint.pt"
+    log = eagle.train(head, rows, cfg, data_cfg.teacher_top_k, max_seconds=args.train_seconds,
+                      checkpoint=lambda step: torch.save(head.trainable_state(), ckpt))
     train_s = time.perf_counter() - t0
     head.eval()
     report = {
@@ -145,6 +153,7 @@ def main(argv=None):
         "steps": len(log), "final_loss": log[-1],
         "parameters": sum(p.numel() for p in head.parameters()),
         "acceptance": evaluate(lambda r, s: eagle.eagle_drafts(head, r, s), sets),
+        "kept_vocab_coverage": {name: round(coverage(head.kept_ids, rows), 4) for name, rows in sets.items()},
     }
     if args.compare_model:
         from transformers import AutoModelForCausalLM
