@@ -95,7 +95,7 @@ def generate_answers(target, tokenizer, prompts: list[str], *, max_new_tokens: i
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     eos = target.generation_config.eos_token_id
     eos = set(eos) if isinstance(eos, (list, tuple)) else {eos}
-    encoded = sorted((chat_ids(tokenizer, p) for p in prompts), key=len)  # similar lengths batch with little padding
+    encoded = [chat_ids(tokenizer, p) for p in prompts]  # in prompt order: the batches are part of the recipe
     answers = []
     for start in tqdm(range(0, len(encoded), batch_size), desc="target answers", unit="batch"):
         batch = encoded[start : start + batch_size]

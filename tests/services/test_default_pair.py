@@ -46,3 +46,14 @@ def test_greedy_equals_target_alone(default_pair, engines, prompts, drafter, k):
         result = generate(prefill, draft, verify, ids, max_new_tokens=NEW_TOKENS, num_draft_tokens=k,
                           params=SamplingParams(), drafter=drafter)
         assert result.token_ids == greedy_reference(target.model, ids, NEW_TOKENS)
+
+
+def test_drafter_head_keeps_the_shipped_draft_vocabulary(default_pair, engines):
+    """`models prepare` installs the shipped FR-Spec ranking, so the tests above run the pruned drafter."""
+    from services.draft_vocab import load
+    from services.models.default_pair import SHIPPED_DRAFT_VOCAB
+
+    _, draft = engines
+    shipped = load(SHIPPED_DRAFT_VOCAB)
+    assert draft.kept_ids.tolist() == shipped.kept_ids().tolist()
+    assert draft.kept_ids.numel() == shipped.default_size < default_pair[1].vocab_size
