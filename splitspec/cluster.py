@@ -36,6 +36,22 @@ def ray_env() -> None:
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 
 
+def loopback_only() -> None:
+    """Make a local cluster use 127.0.0.1 as its node address, so Ray's internal servers listen on loopback only.
+
+    Ray turns an explicit ``_node_ip_address="127.0.0.1"`` into the machine's
+    network address; it keeps loopback only where clusters are off — the
+    setting it uses on macOS and Windows. Every process of the cluster inherits
+    the variable; this process may have read it already when Ray was imported.
+    What still listens on all interfaces is fixed in Ray 2.60's Serve: the gRPC
+    proxy's port and each replica's inter-deployment gRPC server (README).
+    """
+    from ray._private import ray_constants
+
+    os.environ[ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR] = "0"
+    ray_constants.ENABLE_RAY_CLUSTER = False
+
+
 class PlacementError(RuntimeError):
     """Some stage cannot run on this cluster (its label or resource is on no node)."""
 
@@ -75,6 +91,7 @@ class LocalCluster:
         import ray
 
         ray_env()
+        loopback_only()
         if self.nodes not in (1, 3):
             raise ValueError("a local cluster has 1 node or 3 nodes (one per stage)")
         head = dict(num_cpus=NODE_CPUS, object_store_memory=OBJECT_STORE_BYTES, include_dashboard=self.dashboard,
@@ -131,6 +148,7 @@ def start_serve(grpc_port: int = DEFAULT_GRPC_PORT) -> None:
     from deployments.app import GRPC_SERVICER
 
     serve.start(
+        proxy_location="HeadOnly",  # one proxy, on the head node: the gRPC port opens once
         http_options={"host": LOCAL_HOST, "port": 0},
         grpc_options=gRPCOptions(port=grpc_port, grpc_servicer_functions=[GRPC_SERVICER]),
     )

@@ -102,3 +102,30 @@ class ServeProcess:
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.wait(timeout=10)
+
+
+LOOPBACK = {"127.0.0.1", "::1", "::ffff:127.0.0.1"}
+# Ray 2.60's Serve binds these on all interfaces whatever the node address (README, "Network exposure"):
+# the gRPC proxy's port, and each replica's inter-deployment gRPC server ("[::]:0" in serve/_private/replica.py).
+PROXY_PROCESS = "ray::ProxyActor"
+REPLICA_PROCESS_PREFIX = "ray::ServeReplica"
+
+
+def exposed_sockets(procs: list[psutil.Process], grpc_port: int) -> list[str]:
+    """'name pid ip:port' of every listening socket beyond loopback, other than the two that Ray 2.60 fixes."""
+    found = []
+    for proc in procs:
+        try:
+            name = proc.name()
+            conns = proc.net_connections(kind="inet")
+        except psutil.Error:
+            continue
+        for conn in conns:
+            if conn.status != psutil.CONN_LISTEN or conn.laddr.ip in LOOPBACK:
+                continue
+            if name == PROXY_PROCESS and conn.laddr.port == grpc_port:
+                continue
+            if name.startswith(REPLICA_PROCESS_PREFIX):
+                continue
+            found.append(f"{name} {proc.pid} {conn.laddr.ip}:{conn.laddr.port}")
+    return found

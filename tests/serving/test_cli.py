@@ -7,7 +7,7 @@ import subprocess
 import pytest
 
 from tests.serving.conftest import free_port
-from tests.serving.processes import BIN, SERVING, ServeProcess, listening_on
+from tests.serving.processes import BIN, SERVING, ServeProcess, exposed_sockets, listening_on
 
 pytestmark = pytest.mark.slow
 
@@ -20,6 +20,7 @@ def test_serve_generate_ctrl_c(tmp_path):
     with ServeProcess(tmp_path, "--grpc-port", str(port)) as serve:
         serve.wait_for(SERVING)
         assert f"127.0.0.1:{port}" in serve.log and "Ray session: " in serve.log
+        assert exposed_sockets(serve.leftovers(), port) == []  # Ray's own servers listen on loopback only
         out = subprocess.run([BIN / "splitspec", "generate", "What is the capital of France?", "--address",
                               f"127.0.0.1:{port}", "--max-new-tokens", "16", "--k", "2"],
                              capture_output=True, text=True, timeout=120, env=env)

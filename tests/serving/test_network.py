@@ -1,0 +1,24 @@
+"""A local cluster keeps Ray's internal traffic on loopback: nothing of it listens beyond 127.0.0.1 except what Ray
+2.60's Serve fixes (the gRPC proxy's port, each replica's inter-deployment gRPC server), on 1 node and on 3."""
+
+import signal
+
+import pytest
+
+from tests.serving.conftest import free_port
+from tests.serving.processes import PROXY_PROCESS, SERVING, ServeProcess, exposed_sockets
+
+pytestmark = pytest.mark.slow
+
+
+def test_three_node_cluster_listens_on_loopback_only(tmp_path):
+    port = free_port()
+    with ServeProcess(tmp_path, "--grpc-port", str(port), "--nodes", "3") as serve:
+        serve.wait_for(SERVING)
+        procs = serve.leftovers()  # every process of the session, while it runs
+        names = [p.name() for p in procs]
+        assert sum(n == "raylet" for n in names) == 4, names  # head + prefill / draft / verify nodes
+        assert names.count(PROXY_PROCESS) == 1, names  # one proxy (head node): the gRPC port opens once
+        assert exposed_sockets(procs, port) == []
+        code, _ = serve.stop(signal.SIGTERM, 40)
+        assert code == 0, serve.log[-3000:]
