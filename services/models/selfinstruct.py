@@ -337,3 +337,31 @@ def to_distill_data(rows: list[dict]) -> dict:
         data["top_idx"].append(r["top_idx"][: n - p])
         data["top_logp"].append(r["top_logp"][: n - p])
     return data
+
+
+def main(argv=None):
+    """``python -m services.models.selfinstruct --max-seconds 2700``: eval sets, then training shards (resumable)."""
+    import argparse
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from services.models.default_pair import home, target_dir
+
+    parser = argparse.ArgumentParser(description="Generate the drafter's distillation data from the target")
+    parser.add_argument("--max-seconds", type=float, default=None, help="stop starting new shards after this long")
+    parser.add_argument("--max-shards", type=int, default=None)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    cfg = DataConfig()
+    torch.set_num_threads(cfg.num_threads)
+    model = AutoModelForCausalLM.from_pretrained(target_dir(), dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(target_dir())
+    cache = home() / "selfinstruct"
+    build_eval(model, tokenizer, cfg, cache)
+    report = build(model, tokenizer, cfg, cache, max_shards=args.max_shards, max_seconds=args.max_seconds)["report"]
+    (cache / f"train-{cfg.key()}" / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    logger.info("data: %s", report)
+
+
+if __name__ == "__main__":
+    main()
