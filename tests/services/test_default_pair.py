@@ -53,7 +53,7 @@ def test_drafter_head_keeps_the_shipped_draft_vocabulary(default_pair, engines):
     from services.draft_vocab import load
     from services.models.default_pair import SHIPPED_DRAFT_VOCAB
 
-    _, draft = engines
+    _, draft, _ = engines
     shipped = load(SHIPPED_DRAFT_VOCAB)
     assert draft.kept_ids.tolist() == shipped.kept_ids().tolist()
     assert draft.kept_ids.numel() == shipped.default_size < default_pair[1].vocab_size
