@@ -49,13 +49,13 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("vocab,k,temperature,top_k,top_p", CASES)
-def test_each_position_follows_target(vocab, k, temperature, top_k, top_p):
-    """Token j of a step, given the step reached j, follows the warped target p_j (k = 1..5, V = 8..64)."""
-    gen = torch.Generator().manual_seed(1000 * vocab + k)
-    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
-    p = logits_to_probs(torch.randn(k + 1, vocab, generator=gen) * 2, params)  # [k + 1, V]
-    q = logits_to_probs(torch.randn(k, vocab, generator=gen) * 2, params)  # [k, V]
+def sample_counts(
+    q: torch.Tensor,  # [k, V] draft distributions
+    p: torch.Tensor,  # [k + 1, V] target distributions
+    gen: torch.Generator,
+) -> torch.Tensor:  # [k + 1, V] counts of the token emitted at each position
+    """Run Algorithm 1 DRAWS times on fresh drafts from q; assert each position's output follows p."""
+    k, vocab = q.shape
     counts = torch.zeros(k + 1, vocab, dtype=torch.long)
     for _ in range(DRAWS):
         draft = sample(q, gen)  # [k]
@@ -65,6 +65,17 @@ def test_each_position_follows_target(vocab, k, temperature, top_k, top_p):
     for j in range(k + 1):
         if counts[j].sum() >= 200:
             assert_follows(counts[j], p[j])
+    return counts
+
+
+@pytest.mark.parametrize("vocab,k,temperature,top_k,top_p", CASES)
+def test_each_position_follows_target(vocab, k, temperature, top_k, top_p):
+    """Token j of a step, given the step reached j, follows the warped target p_j (k = 1..5, V = 8..64)."""
+    gen = torch.Generator().manual_seed(1000 * vocab + k)
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+    p = logits_to_probs(torch.randn(k + 1, vocab, generator=gen) * 2, params)  # [k + 1, V]
+    q = logits_to_probs(torch.randn(k, vocab, generator=gen) * 2, params)  # [k, V]
+    counts = sample_counts(q, p, gen)
 
 
 def test_acceptance_rate_matches_theory():
@@ -200,15 +211,7 @@ def test_pruned_draft_vocabulary_still_follows_target(vocab, n_kept, k, temperat
     p = logits_to_probs(torch.randn(k + 1, vocab, generator=gen) * 2, params)  # [k + 1, V]
     q = logits_to_probs(scatter_kept(torch.randn(k, n_kept, generator=gen) * 2, kept, vocab), params)  # [k, V]
     assert (q[:, outside] == 0).all() and p[:, outside].sum() > 0.1 * k  # the target has real mass the drafter cannot propose
-    counts = torch.zeros(k + 1, vocab, dtype=torch.long)
-    for _ in range(DRAWS):
-        draft = sample(q, gen)  # [k], always kept ids
-        result = speculative_sample(draft, q, p, gen)
-        for j, token in enumerate(result.token_ids):
-            counts[j, token] += 1
-    for j in range(k + 1):
-        if counts[j].sum() >= 200:
-            assert_follows(counts[j], p[j])
+    counts = sample_counts(q, p, gen)
     assert counts[0, outside].sum() > 0  # ids outside the kept set are emitted, as recovered tokens
 
 
