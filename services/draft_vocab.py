@@ -93,23 +93,19 @@ def generate_answers(target, tokenizer, prompts: list[str], *, max_new_tokens: i
     """The target's greedy answers (ids after the chat prompt, up to and including EOS)."""
     from tqdm.auto import tqdm
 
-    from services.models.distill import chat_ids
+    from services.models.distill import answer_length, chat_ids, left_padded, pad_and_eos
 
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    eos = target.generation_config.eos_token_id
-    eos = set(eos) if isinstance(eos, (list, tuple)) else {eos}
+    pad, eos = pad_and_eos(target, tokenizer)
     encoded = [chat_ids(tokenizer, p) for p in prompts]  # in prompt order: the batches are part of the recipe
     answers = []
     for start in tqdm(range(0, len(encoded), batch_size), desc="target answers", unit="batch"):
         batch = encoded[start : start + batch_size]
-        width = max(map(len, batch))
-        input_ids = torch.tensor([[pad] * (width - len(b)) + b for b in batch])  # [B, width], left padded
-        attention = torch.tensor([[0] * (width - len(b)) + [1] * len(b) for b in batch])
+        input_ids, attention = left_padded(batch, pad)
+        width = input_ids.shape[1]
         out = target.generate(input_ids=input_ids, attention_mask=attention, max_new_tokens=max_new_tokens,
                               do_sample=False, pad_token_id=pad)
         for row in out[:, width:].tolist():  # [B, T]
-            end = next((i + 1 for i, t in enumerate(row) if t in eos), len(row))
-            answers.append(row[:end])
+            answers.append(row[: answer_length(row, eos)])
     return answers
 
 

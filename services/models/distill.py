@@ -62,6 +62,26 @@ def chat_ids(tokenizer, prompt: str) -> list[int]:
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
+def pad_and_eos(model, tokenizer) -> tuple[int, set[int]]:
+    """The pad id for batched ``generate`` and the set of EOS ids that end an answer."""
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    eos = model.generation_config.eos_token_id
+    return pad, set(eos) if isinstance(eos, (list, tuple)) else {eos}
+
+
+def left_padded(batch: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``input_ids`` and ``attention_mask`` [B, width] of a batch of prompts, left padded to the longest."""
+    width = max(map(len, batch))
+    input_ids = torch.tensor([[pad] * (width - len(b)) + b for b in batch])  # [B, width]
+    attention = torch.tensor([[0] * (width - len(b)) + [1] * len(b) for b in batch])  # [B, width]
+    return input_ids, attention
+
+
+def answer_length(answer: list[int], eos: set[int]) -> int:
+    """Tokens of a generated answer up to and including its first EOS (all of it if none)."""
+    return next((i + 1 for i, t in enumerate(answer) if t in eos), len(answer))
+
+
 @torch.inference_mode()
 def generate_teacher_data(target, tokenizer, cfg: DistillConfig, prompts: list[str] | None = None) -> dict:
     """Greedy target answers plus the target's top-K log-probs at each answer position.
@@ -70,15 +90,12 @@ def generate_teacher_data(target, tokenizer, cfg: DistillConfig, prompts: list[s
     teacher costs no extra forward pass.
     """
     prompts = prompts or train_prompts(cfg.seed)[: cfg.num_prompts]
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    eos = target.generation_config.eos_token_id
-    eos = set(eos) if isinstance(eos, (list, tuple)) else {eos}
+    pad, eos = pad_and_eos(target, tokenizer)
     data = {"sequences": [], "masks": [], "top_idx": [], "top_logp": []}
     for start in tqdm(range(0, len(prompts), cfg.gen_batch_size), desc="target answers", unit="batch"):
         batch = [chat_ids(tokenizer, p) for p in prompts[start : start + cfg.gen_batch_size]]
-        width = max(map(len, batch))
-        input_ids = torch.tensor([[pad] * (width - len(b)) + b for b in batch])  # [B, width], left padded
-        attention = torch.tensor([[0] * (width - len(b)) + [1] * len(b) for b in batch])
+        input_ids, attention = left_padded(batch, pad)
+        width = input_ids.shape[1]
         out = target.generate(
             input_ids=input_ids, attention_mask=attention, max_new_tokens=cfg.max_new_tokens,
             do_sample=False, pad_token_id=pad, output_logits=True, return_dict_in_generate=True,
@@ -88,7 +105,7 @@ def generate_teacher_data(target, tokenizer, cfg: DistillConfig, prompts: list[s
         values, indices = torch.topk(torch.log_softmax(logits, dim=-1), cfg.teacher_top_k, dim=-1)  # [B, T, K]
         for b, prompt in enumerate(batch):
             answer = answers[b].tolist()
-            end = next((i + 1 for i, t in enumerate(answer) if t in eos), len(answer))
+            end = answer_length(answer, eos)
             mask = torch.zeros(len(prompt) + end, dtype=torch.bool)
             mask[len(prompt) - 1 : len(prompt) - 1 + end] = True  # positions that predict an answer token
             data["sequences"].append(torch.tensor(prompt + answer[:end]))

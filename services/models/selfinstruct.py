@@ -30,6 +30,7 @@ import torch
 from tqdm.auto import tqdm
 
 from services.models import prompt_bank
+from services.models.distill import answer_length, left_padded, pad_and_eos
 
 logger = logging.getLogger(__name__)
 
@@ -125,12 +126,9 @@ class FeatureRecorder:
 def answer_batch(model, tokenizer, convs: list[list[int]], cfg: DataConfig, *, record: bool = True,
                  temperature: float = 0.0, max_new_tokens: int | None = None) -> list[dict]:
     """Answer left-padded prompts in one ``generate``; per row: ids, prompt_len and (with ``record``) features."""
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    eos = model.generation_config.eos_token_id
-    eos = set(eos) if isinstance(eos, (list, tuple)) else {eos}
-    width = max(map(len, convs))
-    input_ids = torch.tensor([[pad] * (width - len(c)) + c for c in convs])  # [B, width]
-    attention = torch.tensor([[0] * (width - len(c)) + [1] * len(c) for c in convs])
+    pad, eos = pad_and_eos(model, tokenizer)
+    input_ids, attention = left_padded(convs, pad)  # [B, width]
+    width = input_ids.shape[1]
     recorder = FeatureRecorder(model, cfg.feature_layers, cfg.teacher_top_k) if record else None
     sampling = {"do_sample": True, "temperature": temperature, "top_p": 0.95} if temperature > 0 else {"do_sample": False}
     try:
@@ -148,7 +146,7 @@ def answer_batch(model, tokenizer, convs: list[list[int]], cfg: DataConfig, *, r
         top_logp = torch.stack([s["top_logp"] for s in recorder.steps], dim=1)
     for b, prompt in enumerate(convs):
         answer = answers[b].tolist()
-        end = next((i + 1 for i, t in enumerate(answer) if t in eos), len(answer))
+        end = answer_length(answer, eos)
         row = {"ids": torch.tensor(prompt + answer[:end], dtype=torch.int32), "prompt_len": len(prompt)}
         if record:
             span = slice(width - len(prompt), width + end - 1)  # features of every position but the last
