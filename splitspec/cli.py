@@ -8,6 +8,8 @@ import logging
 import sys
 from pathlib import Path
 
+from splitspec.stopping import DEFAULT_STOP_TIMEOUT_S
+
 
 def _load_pair(args):
     from services.loading import check_pair, load_causal_lm
@@ -292,7 +294,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--grpc-port", type=int, default=9000)
     serve.add_argument("--app-name", default="splitspec")
     serve.add_argument("--no-dashboard", action="store_true", help="do not start the Ray dashboard")
-    serve.add_argument("--stop-timeout", type=float, default=30.0,
+    serve.add_argument("--stop-timeout", type=float, default=DEFAULT_STOP_TIMEOUT_S,
                        help="seconds a Ctrl-C / SIGTERM stop may take before it is forced (a second Ctrl-C forces it)")
     serve.set_defaults(fn=cmd_serve)
 

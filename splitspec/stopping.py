@@ -147,7 +147,6 @@ class Stopper:
                 for signum in self._rsock.recv(64):
                     if signum in STOP_SIGNALS:
                         self._signals += 1
-                        self.requested.set()
                         if self._signals == 1:
                             self.begin(f"{signal.Signals(signum).name} received")
                         else:

@@ -6,12 +6,12 @@ import subprocess
 
 import pytest
 
+from splitspec.stopping import DEFAULT_STOP_TIMEOUT_S
 from tests.serving.conftest import free_port
 from tests.serving.processes import BIN, SERVING, ServeProcess, exposed_sockets, listening_on
 
 pytestmark = pytest.mark.slow
 
-STOP_TIMEOUT_S = 30
 
 
 def test_serve_generate_ctrl_c(tmp_path):
@@ -29,7 +29,7 @@ def test_serve_generate_ctrl_c(tmp_path):
         bad = subprocess.run([BIN / "splitspec", "generate", "hi", "--address", f"127.0.0.1:{port}", "--temperature", "-1"],
                              capture_output=True, text=True, timeout=60, env=env)
         assert bad.returncode == 1 and "INVALID_ARGUMENT" in bad.stderr
-        code, took = serve.stop(signal.SIGINT, STOP_TIMEOUT_S + 10)
+        code, took = serve.stop(signal.SIGINT, DEFAULT_STOP_TIMEOUT_S + 10)
         assert code == 0, f"exit {code} after {took:.1f}s:\n{serve.log[-3000:]}"
         assert "stopping" in serve.log and "stopped." in serve.log
         assert not serve.leftovers() and not listening_on(port)
