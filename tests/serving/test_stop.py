@@ -87,10 +87,11 @@ def test_second_ctrl_c_forces_the_stop(tmp_path):
         proc.wait_for("deploying")
         proc.proc.send_signal(signal.SIGINT)
         time.sleep(0.5)
-        code, took = proc.stop(signal.SIGINT, STOP_TIMEOUT_S)
+        code, _ = proc.stop(signal.SIGINT, STOP_TIMEOUT_S)
         assert code == FORCED_EXIT_CODE, proc.log[-3000:]
-        assert "forcing the stop" in proc.log
-        assert took < STOP_TIMEOUT_S / 2, f"the forced stop took {took:.1f}s"
+        # forced by the second signal itself, not by the bound running out (no wall-clock assertion needed)
+        assert "forcing the stop: SIGINT received again" in proc.log, proc.log[-3000:]
+        assert "not stopped after" not in proc.log
         time.sleep(1.0)  # SIGKILLed processes are reaped
         left = proc.leftovers()
         assert not left, f"left behind: {[(p.pid, p.name()) for p in left]}"
