@@ -1,9 +1,10 @@
-"""Draft: per-session proposers (a small draft model, or prompt lookup).
+"""Draft: per-session proposers (a small draft model, an EAGLE head over the target's features, or prompt lookup).
 
 Interface of a draft session (as transformers' candidate generators):
 ``propose(k)`` -> draft token ids and their draft distributions q,
-``accept(n, next_token)`` -> keep the first n proposed tokens plus the
-target's next token and roll the draft KV back to that prefix.
+``accept(n, next_token, features)`` -> keep the first n proposed tokens plus
+the target's next token and roll the draft KV back to that prefix
+(``features``: the target's, of the accepted positions, for the EAGLE drafter).
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from services import draft_vocab
+from services import draft_vocab, eagle_draft
+from services.eagle_draft import EAGLE_DRAFTER
 from services.draft_vocab import DraftVocab
 from services.errors import InvalidRequestError
 from services.loading import LoadedModel
@@ -26,7 +28,8 @@ from services.validation import validate_num_draft_tokens, validate_prompt
 DRAFT_STREAM = 1  # random stream of draft samples (see sampling.make_generator)
 MODEL_DRAFTER = "model"
 PROMPT_LOOKUP_DRAFTER = "prompt_lookup"
-DRAFTERS = (MODEL_DRAFTER, PROMPT_LOOKUP_DRAFTER)
+DRAFTERS = (MODEL_DRAFTER, PROMPT_LOOKUP_DRAFTER, EAGLE_DRAFTER)
+FEATURE_DRAFTERS = (EAGLE_DRAFTER,)  # drafters that read the target's features of the accepted positions
 TOKEN_BYTES = 8  # bookkeeping size of a token id in a prompt-lookup session
 
 
@@ -69,7 +72,7 @@ class ModelDraftSession:
         probs = None if self.params.greedy else torch.stack(q_rows)  # [k, vocab_size]
         return DraftProposal(token_ids, probs)
 
-    def accept(self, n_matches: int, next_token: int) -> None:
+    def accept(self, n_matches: int, next_token: int, features=None) -> None:
         accepted = _check_accept(self.proposal, n_matches)
         context_len = len(self.tokens)
         self.tokens += accepted + [int(next_token)]
@@ -93,7 +96,7 @@ class PromptLookupSession:
         self.proposal = find_candidates(self.tokens, k)
         return DraftProposal(self.proposal, None)
 
-    def accept(self, n_matches: int, next_token: int) -> None:
+    def accept(self, n_matches: int, next_token: int, features=None) -> None:
         self.tokens += _check_accept(self.proposal, n_matches) + [int(next_token)]
         self.proposal = []
 
@@ -105,7 +108,7 @@ def _check_accept(proposal: list[int], n_matches: int) -> list[int]:
 
 
 class DraftEngine:
-    """Per-session drafting with a draft model and/or prompt lookup.
+    """Per-session drafting with a draft model, an EAGLE head and/or prompt lookup.
 
     The draft model's LM head is pruned to its draft vocabulary (services.draft_vocab)
     when it ships one: ``draft_vocab_size`` None takes the shipped default,
@@ -122,8 +125,10 @@ class DraftEngine:
         vocab_size: int | None = None,
         draft_vocab_size: int | None = None,
         vocab: DraftVocab | None = None,  # default: the one in the drafter's folder, if any
+        eagle_head=None,  # services.models.eagle.EagleHead: offers the EAGLE drafter
     ):
         self.draft = draft
+        self.eagle_head = eagle_head
         self.kept_ids = None  # [N] ids the drafter's head keeps; None = every id
         self.runner = None
         if draft is not None:
@@ -131,14 +136,25 @@ class DraftEngine:
             self.kept_ids = draft_vocab.resolve_kept_ids(vocab, draft_vocab_size, draft.vocab_size)
             self.runner = make_runner(draft, kept_ids=self.kept_ids)
         self.max_context = max_context or (draft.max_context if draft else 2**31 - 1)
+        if vocab_size is None and eagle_head is not None:
+            vocab_size = eagle_head.embed.shape[0]
         self.vocab_size = vocab_size or (draft.vocab_size if draft else 2**31 - 1)
         self.sessions: SessionStore = SessionStore(kind="draft", max_sessions=max_sessions, max_kv_bytes=max_kv_bytes)
 
     @property
     def drafters(self) -> tuple[str, ...]:
-        return DRAFTERS if self.runner is not None else (PROMPT_LOOKUP_DRAFTER,)
+        """The drafters this engine offers."""
+        offered = {MODEL_DRAFTER: self.runner is not None, PROMPT_LOOKUP_DRAFTER: True, EAGLE_DRAFTER: self.eagle_head is not None}
+        return tuple(d for d in DRAFTERS if offered[d])
 
-    def start(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams, drafter: str = MODEL_DRAFTER) -> None:
+    def start(
+        self,
+        request_id: str,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        drafter: str = MODEL_DRAFTER,
+        features: torch.Tensor | None = None,  # [len(prompt), hidden] the prefill's, for a feature drafter
+    ) -> None:
         """Open a session; for the model drafter, prefill the draft KV over the prompt."""
         if drafter not in self.drafters:
             raise InvalidRequestError(f"unknown drafter {drafter!r}; this server offers {list(self.drafters)}")
@@ -146,6 +162,11 @@ class DraftEngine:
         ids = validate_prompt(prompt_ids, max_context=self.max_context, vocab_size=self.vocab_size)
         if drafter == PROMPT_LOOKUP_DRAFTER:
             self.sessions.put(request_id, PromptLookupSession(ids))
+            return
+        if drafter == EAGLE_DRAFTER:
+            generator = make_generator(params.seed, DRAFT_STREAM)
+            session = eagle_draft.start_session(self.eagle_head, self.vocab_size, ids, params, generator, features)
+            self.sessions.put(request_id, session)
             return
         cache = self.runner.new_cache()
         if len(ids) > 1:  # keep the last prompt token uncached: propose() starts from its logits
@@ -160,8 +181,9 @@ class DraftEngine:
         self.sessions.enforce_limits(keep=request_id)
         return proposal
 
-    def accept(self, request_id: str, n_matches: int, next_token: int) -> None:
-        self.sessions.get(request_id).accept(n_matches, next_token)
+    def accept(self, request_id: str, n_matches: int, next_token: int, features: torch.Tensor | None = None) -> None:
+        """Roll back to the verdict; ``features`` [n_matches + 1, hidden] feed a feature drafter (ignored by others)."""
+        self.sessions.get(request_id).accept(n_matches, next_token, features)
 
     def close(self, request_id: str) -> None:
         self.sessions.pop(request_id)

@@ -200,7 +200,9 @@ class FastLlamaRunner:
         cache: DenseKVCache,
         *,
         last_only: bool = False,
-    ) -> torch.Tensor:  # [n, vocab_size] ([1, vocab_size] with last_only)
+        return_features: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # [n, vocab_size] ([1, vocab_size] with last_only)
+        """Next-token logits; with ``return_features`` also the final-norm output of every row, [n, hidden] (EAGLE's feature)."""
         n, start = input_ids.shape[0], cache.seq_len
         end = start + n
         cache.reserve(end)
@@ -227,6 +229,11 @@ class FastLlamaRunner:
             gate, up = w_gu(self._rms_norm(x, ln2)).chunk(2, dim=-1)  # 2 x [n, inter]
             x = x + w_down(F.silu(gate) * up)
         cache.seq_len = end
-        x = self._rms_norm(x[-1:] if last_only else x, self.norm)  # [m, hidden]
+        features = self._rms_norm(x, self.norm) if return_features else None  # [n, hidden]
+        if features is not None:
+            x = features[-1:] if last_only else features
+        else:
+            x = self._rms_norm(x[-1:] if last_only else x, self.norm)  # [m, hidden]
         logits = self.head(x).float()  # [m, N]
-        return logits if self.kept_ids is None else scatter_kept(logits, self.kept_ids, self.vocab_size)
+        logits = logits if self.kept_ids is None else scatter_kept(logits, self.kept_ids, self.vocab_size)
+        return (logits, features) if return_features else logits

@@ -11,7 +11,7 @@ import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
-from services.draft import MODEL_DRAFTER, DraftEngine
+from services.draft import FEATURE_DRAFTERS, MODEL_DRAFTER, DraftEngine
 from services.prefill import PrefillEngine
 from services.sampling import SamplingParams
 from services.validation import validate_max_new_tokens, validate_num_draft_tokens, validate_prompt
@@ -87,13 +87,14 @@ def speculative_decode(
     eos = target.eos_token_ids
     prompt_ids = validate_prompt(prompt_ids, max_context=target.max_context, vocab_size=target.vocab_size)
     validate_max_new_tokens(max_new_tokens, prompt_len=len(prompt_ids), max_context=target.max_context)
+    features = draft is not None and drafter in FEATURE_DRAFTERS  # the drafter reads the target's features
     # 1. prefill the target (and start the draft session over the same prompt)
-    result = prefill.prefill(prompt_ids, params)
+    result = prefill.prefill(prompt_ids, params, features=features)
     if draft is not None:
-        draft.start(request_id, prompt_ids, params, drafter)
+        draft.start(request_id, prompt_ids, params, drafter, result.features)
     try:
         # 2. hand the prefill KV to the verifier
-        verify.open(request_id, result.payload, result.first_token, params)
+        verify.open(request_id, result.payload, result.first_token, params, features=features)
         if draft is not None:
             draft.accept(request_id, 0, result.first_token)  # the drafter continues from prefill's token
         generated = 0
@@ -112,7 +113,7 @@ def speculative_decode(
             verdict = verify.verify(request_id, draft_ids, proposal.probs if proposal else None)
             # 5. accept: roll the drafter back to the accepted prefix
             if draft is not None:
-                draft.accept(request_id, verdict.n_matches, verdict.token_ids[-1])  # n_matches is 0 without a proposal
+                draft.accept(request_id, verdict.n_matches, verdict.token_ids[-1], verdict.features)  # n_matches is 0 without a proposal
             step = StepOutput(verdict.token_ids, len(draft_ids), verdict.n_matches, verdict.accepted)
     finally:
         verify.close(request_id)

@@ -36,18 +36,23 @@ class ModelRunner:
         cache: KVCache,
         *,
         last_only: bool = False,
-    ) -> torch.Tensor:  # [n, vocab_size] float32 logits ([1, vocab_size] with last_only)
-        """Append ``input_ids`` to ``cache`` and return next-token logits at each position."""
+        return_features: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # [n, vocab_size] float32 logits ([1, vocab_size] with last_only)
+        """Append ``input_ids`` to ``cache`` and return next-token logits at each position.
+
+        With ``return_features`` also the last hidden state of every row (after the final norm), [n, hidden].
+        """
         out = self.model(
             input_ids=input_ids[None],
             cache=cache.cache,
             use_cache=True,
             logits_to_keep=1 if last_only else 0,
+            output_hidden_states=return_features,
         )
         logits = out.logits[0].float()  # [m, vocab_size]
-        if self.kept_ids is None:
-            return logits
-        return scatter_kept(logits[:, self.kept_ids], self.kept_ids, logits.shape[-1])
+        if self.kept_ids is not None:
+            logits = scatter_kept(logits[:, self.kept_ids], self.kept_ids, logits.shape[-1])
+        return (logits, out.hidden_states[-1][0]) if return_features else logits
 
 
 def make_runner(loaded: LoadedModel, *, fast: bool = True, kept_ids: torch.Tensor | None = None):

@@ -9,6 +9,7 @@ import torch
 from services.errors import InvalidRequestError
 from services.kv import KVPayload
 from services.loading import LoadedModel
+from services.prefill import FEATURE_DTYPE
 from services.runner import make_runner
 from services.sampling import SamplingParams, greedy_verify, logits_to_probs, make_generator, speculative_sample
 from services.sessions import DEFAULT_MAX_KV_BYTES, DEFAULT_MAX_SESSIONS, SessionStore
@@ -23,6 +24,7 @@ class VerifySession:
     pending: int  # last emitted token, not yet in the target's KV
     params: SamplingParams
     generator: torch.Generator
+    features: bool = False  # return the target's features of the accepted positions (feature drafters, EAGLE)
 
     @property
     def nbytes(self) -> int:
@@ -39,6 +41,7 @@ class VerifyResult:
     token_ids: list[int]  # accepted draft tokens + the recovered or bonus token
     n_matches: int  # accepted draft tokens
     accepted: list[bool]  # per draft position
+    features: torch.Tensor | None = None  # [n_matches + 1, hidden] bf16: features of the pending token and the accepted drafts
 
 
 class VerifyEngine:
@@ -51,12 +54,15 @@ class VerifyEngine:
             kind="verify", max_sessions=max_sessions, max_kv_bytes=max_kv_bytes
         )
 
-    def open(self, request_id: str, payload: KVPayload, first_token: int, params: SamplingParams) -> None:
-        """Start a session from a prefill's KV payload (refused if another model computed it)."""
+    def open(self, request_id: str, payload: KVPayload, first_token: int, params: SamplingParams, *, features: bool = False) -> None:
+        """Start a session from a prefill's KV payload (refused if another model computed it).
+
+        ``features``: each verdict also carries the target's features of the positions it accepts.
+        """
         params.validate()
         cache = self.runner.import_payload(payload)
         generator = make_generator(params.seed, VERIFY_STREAM)
-        self.sessions.put(request_id, VerifySession(cache, int(first_token), params, generator))
+        self.sessions.put(request_id, VerifySession(cache, int(first_token), params, generator, features))
 
     def verify(
         self,
@@ -80,7 +86,8 @@ class VerifyEngine:
             raise InvalidRequestError(f"draft token ids must be in [0, {self.target.vocab_size})")
         start = session.cache.seq_len
         # 1. one target pass over [pending, d_1 .. d_k] gives p_1 .. p_{k+1}
-        logits = self.runner.forward(torch.cat([torch.tensor([session.pending]), draft]), session.cache)  # [k + 1, V]
+        out = self.runner.forward(torch.cat([torch.tensor([session.pending]), draft]), session.cache, return_features=session.features)
+        logits, features = out if session.features else (out, None)  # [k + 1, V], [k + 1, hidden]
         # 2. exact accept / reject (services.sampling)
         if session.params.greedy:
             result = greedy_verify(draft, logits)
@@ -92,7 +99,9 @@ class VerifyEngine:
         session.cache.crop(start + 1 + result.n_matches)
         session.pending = result.token_ids[-1]
         self.sessions.enforce_limits(keep=request_id)
-        return VerifyResult(result.token_ids, result.n_matches, result.accepted)
+        if features is not None:
+            features = features[: 1 + result.n_matches].to(FEATURE_DTYPE)  # [n_matches + 1, hidden]
+        return VerifyResult(result.token_ids, result.n_matches, result.accepted, features)
 
     def close(self, request_id: str) -> None:
         self.sessions.pop(request_id)

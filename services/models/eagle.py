@@ -184,6 +184,20 @@ class EagleHead(nn.Module):
         return {k: v for k, v in self.state_dict().items() if k != "kept_ids"}
 
 
+def load_head(target, path) -> EagleHead:
+    """A saved head (``eagle_recipe.save_head``) on ``target``'s frozen embeddings and LM-head rows."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    with safe_open(path, "pt") as f:
+        cfg = EagleConfig(**json.loads(f.metadata()["config"]))
+    state = load_file(path)
+    kept = state.pop("kept_ids").long()
+    head = EagleHead(target, cfg, kept, state["feature_in.weight"].shape[1])
+    head.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
+    return head.eval().requires_grad_(False)
+
+
 def _linear(weight: torch.Tensor) -> nn.Linear:
     layer = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
     layer.weight.data.copy_(weight.detach().float())
@@ -370,6 +384,20 @@ def report_json(**parts) -> str:
 # ---- inference (one sequence, KV cache) -------------------------------------------------------------
 
 
+def _gemv_weights(head: EagleHead) -> tuple[torch.Tensor, ...]:
+    """The head's weights as [in, out] (the GEMV layout, see fast_llama.Linear), made once and shared by its sessions."""
+    cached = getattr(head, "_gemv", None)
+    if cached is None:
+        t = lambda lin: lin.weight.detach().t().contiguous()  # noqa: E731  [in, out]
+        cached = (
+            t(head.feature_in), t(head.fc), torch.cat([t(head.wq), t(head.wk), t(head.wv)], dim=1), t(head.wo),
+            torch.cat([t(head.w_gate), t(head.w_up)], dim=1), t(head.w_down),
+            head.embed[head.kept_ids].t().contiguous(),  # [h, N]
+        )
+        object.__setattr__(head, "_gemv", cached)  # not a parameter or buffer
+    return cached
+
+
 class HeadSession:
     """Drafting with a trained head for one sequence: what a draft engine session would run.
 
@@ -380,13 +408,9 @@ class HeadSession:
     kept as [in, out] (the GEMV layout, see fast_llama.Linear).
     """
 
-    def __init__(self, head: EagleHead, capacity: int = 1024):
+    def __init__(self, head: EagleHead, capacity: int = 256):
         self.head = head
-        t = lambda lin: lin.weight.detach().t().contiguous()  # noqa: E731  [in, out]
-        self.w_in, self.w_fc = t(head.feature_in), t(head.fc)
-        self.w_qkv = torch.cat([t(head.wq), t(head.wk), t(head.wv)], dim=1)
-        self.w_o, self.w_gu, self.w_down = t(head.wo), torch.cat([t(head.w_gate), t(head.w_up)], dim=1), t(head.w_down)
-        self.w_head = head.embed[head.kept_ids].t().contiguous()  # [h, N]
+        self.w_in, self.w_fc, self.w_qkv, self.w_o, self.w_gu, self.w_down, self.w_head = _gemv_weights(head)
         self.k = torch.zeros(head.num_kv_heads, capacity, head.head_dim)
         self.v = torch.zeros_like(self.k)
         self.length = 0  # accepted context rows
@@ -415,32 +439,53 @@ class HeadSession:
         gate, up = (self._norm(x, hd.ln2) @ self.w_gu).chunk(2, dim=-1)
         return x + (F.silu(gate) * up) @ self.w_down
 
-    def _next(self, h_out):  # [h] -> drafted id
-        return int(self.head.kept_ids[(self._norm(h_out, self.head.norm_out) @ self.w_head).argmax()])
-
     def _feedback(self, h_out):
         if self.head.cfg.feature == "final":
             return self._norm(h_out, self.head.norm_out) @ self.w_in
         return h_out
 
+    def _reserve(self, end: int) -> None:  # grow the K/V rows to hold ``end`` (doubling); chain rows are scratch
+        if end > self.k.shape[1]:
+            size = max(end, 2 * self.k.shape[1])
+            k, v = self.k.new_zeros(self.k.shape[0], size, self.k.shape[2]), self.v.new_zeros(self.v.shape[0], size, self.v.shape[2])
+            k[:, : self.length], v[:, : self.length] = self.k[:, : self.length], self.v[:, : self.length]
+            self.k, self.v = k, v
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+    def _logits(self, h_out):  # [h] -> [N] logits over the kept ids
+        return self._norm(h_out, self.head.norm_out) @ self.w_head
+
     @torch.inference_mode()
-    def extend(self, features: torch.Tensor, tokens: torch.Tensor) -> int:  # [n, F], [n]
+    def extend_logits(self, features: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:  # [n, F], [n] -> [N]
+        """Append accepted positions; the logits of the first draft token (over the kept ids)."""
+        self._reserve(self.length + len(tokens) + 1)
         g = self.head.prepare(features.float()) @ self.w_in
         h_out = self._rows(g, tokens.long(), self.length)
         self.length += len(tokens)
         self.chain_len = 0
-        token = self._next(h_out[-1])
-        self.g, self.last_token = self._feedback(h_out[-1:]), token
-        return token
+        self.g = self._feedback(h_out[-1:])
+        return self._logits(h_out[-1])
 
     @torch.inference_mode()
+    def chain_logits(self, token: int) -> torch.Tensor:  # -> [N]
+        """Feed a draft token back; the logits of the next one."""
+        self._reserve(self.length + self.chain_len + 2)
+        h_out = self._rows(self.g, torch.tensor([int(token)]), self.length + self.chain_len)
+        self.chain_len += 1
+        self.g = self._feedback(h_out[-1:])
+        return self._logits(h_out[-1])
+
+    def extend(self, features: torch.Tensor, tokens: torch.Tensor) -> int:  # [n, F], [n]
+        self.last_token = int(self.head.kept_ids[self.extend_logits(features, tokens).argmax()])
+        return self.last_token
+
     def draft_one(self) -> int:
         """The next chained draft token (after ``extend`` gave the first)."""
-        h_out = self._rows(self.g, torch.tensor([self.last_token]), self.length + self.chain_len)
-        self.chain_len += 1
-        token = self._next(h_out[-1])
-        self.g, self.last_token = self._feedback(h_out[-1:]), token
-        return token
+        self.last_token = int(self.head.kept_ids[self.chain_logits(self.last_token).argmax()])
+        return self.last_token
 
     def rollback(self) -> None:
         self.chain_len = 0

@@ -19,7 +19,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from services.models import eagle, selfinstruct
 from services.models.default_pair import drafter_dir, home, target_dir
@@ -105,16 +105,7 @@ def save_head(head: eagle.EagleHead, report: dict, name: str) -> Path:
     return path
 
 
-def load_head(target, path: Path) -> eagle.EagleHead:
-    from safetensors import safe_open
-
-    with safe_open(path, "pt") as f:
-        cfg = eagle.EagleConfig(**json.loads(f.metadata()["config"]))
-    state = load_file(path)
-    kept = state.pop("kept_ids").long()
-    head = eagle.EagleHead(target, cfg, kept, state["feature_in.weight"].shape[1])
-    head.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
-    return head.eval()
+load_head = eagle.load_head
 
 
 def main(argv=None):

@@ -1,0 +1,130 @@
+"""The EAGLE drafter: a one-layer head over the target's features (services.models.eagle), as a draft session.
+
+A feature drafter needs what a token drafter does not: the target's feature
+(final-norm output) of every accepted position. Prefill returns the prompt's
+(``PrefillEngine.prefill(features=True)``), each verdict the accepted ones'
+(``VerifyEngine.open(features=True)``); the session pairs feature f_t with
+the token x_{t+1} once that token is known and extends the head's KV with
+them. Drafts are sampled from q = softmax over the head's kept ids (zero
+elsewhere), so the verifier's rejection sampling stays exact.
+
+The head lives in the drafter's folder (``eagle_head.safetensors`` with its
+``eagle_head.json``), installed by ``splitspec models prepare``; it reads the
+target's frozen embeddings, so the draft stage loads them from the target.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from services.draft_vocab import scatter_kept
+from services.errors import InvalidRequestError
+from services.loading import LoadedModel
+from services.models import eagle
+from services.sampling import SamplingParams, logits_to_probs, sample
+
+logger = logging.getLogger(__name__)
+
+EAGLE_DRAFTER = "eagle"
+HEAD_FILE = "eagle_head.safetensors"
+HEAD_REPORT = "eagle_head.json"  # recipe, measured acceptance and c, and the target it was trained for
+
+
+def find(draft_dir: str | Path | None) -> Path | None:
+    """The EAGLE head installed in a drafter folder, or None."""
+    if not draft_dir:
+        return None
+    path = Path(draft_dir) / HEAD_FILE
+    return path if path.is_file() else None
+
+
+def load(path: Path, target: LoadedModel) -> eagle.EagleHead:
+    """Load a head for ``target``; a head trained for another target is refused with a clear error."""
+    report_path = path.with_name(HEAD_REPORT)
+    report = json.loads(report_path.read_text()) if report_path.is_file() else {}
+    trained_for = report.get("target_fingerprint")
+    if trained_for and trained_for != target.fingerprint:
+        raise ValueError(f"the EAGLE head {path} was trained for target {trained_for!r}, not {target.fingerprint!r}")
+    head = eagle.load_head(target.model, path)
+    if head.feature_dim != head.embed.shape[1] and head.cfg.feature == "final":
+        raise ValueError(f"the EAGLE head {path} reads {head.feature_dim}-wide features; the target's are {head.embed.shape[1]}")
+    logger.info("EAGLE head from %s: %s features, %d kept ids", path, head.cfg.feature, len(head.kept_ids))
+    return head
+
+
+@dataclass
+class EagleDraftSession:
+    """One sequence drafted by an EAGLE head."""
+
+    head: eagle.EagleHead
+    vocab_size: int
+    tokens: list[int]  # accepted context: prompt + accepted tokens
+    params: SamplingParams
+    generator: torch.Generator
+    unpaired: torch.Tensor  # [m, hidden] features of the last m accepted positions, whose next token is not known yet
+    state: eagle.HeadSession = None
+    next_logits: torch.Tensor | None = None  # [N] the head's logits for the first draft token
+    proposal: list[int] = field(default_factory=list)
+
+    def __post_init__(self):
+        self.state = self.state or eagle.HeadSession(self.head)
+
+    @property
+    def nbytes(self) -> int:
+        return self.state.nbytes + self.unpaired.nbytes
+
+    def propose(self, k: int):
+        from services.draft import DraftProposal
+
+        if self.next_logits is None:
+            raise InvalidRequestError("the EAGLE drafter has no accepted features yet: accept a verdict before proposing")
+        kept = self.head.kept_ids
+        logits, token_ids, q_rows = self.next_logits, [], []
+        self.state.chain_len = 0  # a new chain from the accepted context
+        for i in range(k):
+            if self.params.greedy:
+                x = int(kept[logits.argmax()])
+            else:
+                q = logits_to_probs(scatter_kept(logits[None], kept, self.vocab_size), self.params)  # [1, vocab_size]
+                x = int(sample(q, self.generator)[0])
+                q_rows.append(q[0])
+            token_ids.append(x)
+            if i + 1 < k:
+                logits = self.state.chain_logits(x)
+        self.proposal = token_ids
+        return DraftProposal(token_ids, None if self.params.greedy else torch.stack(q_rows))  # q: [k, vocab_size]
+
+    def accept(self, n_matches: int, next_token: int, features: torch.Tensor | None = None) -> None:
+        """Keep n_matches drafts and the target's token; ``features`` [n_matches + 1, hidden] are the verdict's."""
+        from services.draft import _check_accept
+
+        self.tokens += _check_accept(self.proposal, n_matches) + [int(next_token)]
+        self.proposal = []
+        if features is not None:
+            if features.shape[0] != n_matches + 1:
+                raise InvalidRequestError(f"got features of {features.shape[0]} positions for {n_matches} accepted tokens + 1")
+            self.unpaired = torch.cat([self.unpaired, features.to(self.unpaired.dtype)])
+        m = self.unpaired.shape[0]
+        if m == 0:
+            raise InvalidRequestError("the EAGLE drafter needs the target's features of the accepted tokens")
+        # pair feature f_t with token x_{t+1}: the last m accepted tokens
+        self.next_logits = self.state.extend_logits(self.unpaired, torch.tensor(self.tokens[-m:]))
+        self.unpaired = self.unpaired[:0]
+
+
+def start_session(head: eagle.EagleHead, vocab_size: int, prompt_ids: Sequence[int], params: SamplingParams,
+                  generator: torch.Generator, features: torch.Tensor | None) -> EagleDraftSession:
+    """A session over the prompt; ``features`` [len(prompt), hidden] are the prefill's."""
+    if features is None:
+        raise InvalidRequestError("the EAGLE drafter needs the prompt's target features (prefill with features=True)")
+    if features.shape[0] != len(prompt_ids) or features.shape[1] != head.feature_dim:
+        raise InvalidRequestError(
+            f"prompt features have shape {tuple(features.shape)}, expected ({len(prompt_ids)}, {head.feature_dim})"
+        )
+    return EagleDraftSession(head, vocab_size, list(prompt_ids), params, generator, features)
