@@ -26,6 +26,9 @@ from deployments.placement import unplaceable
 from deployments.routing import pin
 from deployments.stages import model_dirs
 from deployments.status import RequestDeadlineError, StageUnavailableError, to_status, unwrap
+from services.draft import FEATURE_DRAFTERS
+from services.eagle_draft import EAGLE_DRAFTER
+from services import eagle_draft
 from services.errors import CapacityError, SessionNotFoundError
 from services.loading import check_tokenizers, describe
 from services.loop import StepOutput, finish_step
@@ -67,6 +70,9 @@ class SpecDecodeIngress:
         target_dir, draft_dir = model_dirs(self.config)
         self.target = describe(target_dir)
         check_tokenizers(self.target, draft_dir)
+        if self.config.speculation.drafter == EAGLE_DRAFTER and eagle_draft.find(draft_dir) is None:
+            raise ValueError(f"speculation.drafter is {EAGLE_DRAFTER!r} but {draft_dir} has no {eagle_draft.HEAD_FILE} "
+                             "(`splitspec models prepare` installs the default pair's)")
         self.unplaceable: dict[str, str] = {}
         self.handoffs: deque[dict] = deque(maxlen=RECENT_HANDOFFS)
         self.metrics = RequestMetrics()
@@ -172,23 +178,27 @@ class SpecDecodeIngress:
         """prefill -> (draft -> verify -> accept)*, one StepOutput per step, as services.loop does in-process."""
         sid, params = plan.session_id, plan.params
         # 1. prefill the target and, in parallel, start the draft session over the same prompt
-        prefilled = self.prefill.prefill.remote(plan.prompt_ids, params)
+        #    (a feature drafter starts once prefill has its prompt features; they go by reference)
+        features = plan.speculate and plan.drafter in FEATURE_DRAFTERS
+        prefilled = self.prefill.prefill.remote(plan.prompt_ids, params, features)
         started = None
         if plan.speculate and "draft" in self.unplaceable:
             self._fall_back(plan, StageUnavailableError(self.unplaceable["draft"]), "start")
-        elif plan.speculate:
+        elif plan.speculate and not features:
             started = self.draft.start.remote(sid, plan.prompt_ids, params, plan.drafter)
         draft = verify = None
         try:
             handoff = await self._call("prefill", prefilled)
             timer.prefill_ms = timer.ms()
+            if features and not plan.fallback:
+                started = self.draft.start.remote(sid, plan.prompt_ids, params, plan.drafter, handoff)
             if started is not None:
                 try:
                     draft = self.draft.options(session_id=pin((await self._call("draft", started)).replica_id))
                 except Exception as exc:  # noqa: BLE001 - go on with the target alone
                     self._fall_back(plan, exc, "start")
             # 2. hand the verifier the KV *reference*; it resolves the bytes from the object store
-            opened = await self._call("verify", self.verify.open.remote(sid, handoff, params))
+            opened = await self._call("verify", self.verify.open.remote(sid, handoff, params, features))
             verify = self.verify.options(session_id=pin(opened.replica_id))
             timer.kv_handoff_ms = opened.handoff_ms
             self.metrics.kv_handoff(opened.resolved_bytes, opened.handoff_ms / 1000)
@@ -204,7 +214,7 @@ class SpecDecodeIngress:
             del handoff  # the last reference here: the object store frees the KV once the verifier holds it
             timer.ttft_ms = timer.ms()
             generated, step = 0, StepOutput([first_token])
-            accept = (0, first_token)  # the drafter continues from prefill's token
+            accept = (0, first_token, None)  # the drafter continues from prefill's token
             while True:
                 step, generated = finish_step(step, generated, plan.max_new_tokens, self.target.eos_token_ids)
                 yield step
@@ -222,7 +232,7 @@ class SpecDecodeIngress:
                 # 4. verify them in one target pass
                 verdict = await self._call("verify", verify.verify.remote(sid, draft_ids, proposal.probs if proposal else None))
                 # 5. accept: emit the accepted tokens + the recovered or bonus token
-                accept = (verdict.n_matches, verdict.token_ids[-1])
+                accept = (verdict.n_matches, verdict.token_ids[-1], verdict.features)
                 step = StepOutput(verdict.token_ids, len(draft_ids), verdict.n_matches, verdict.accepted)
                 plan.stats.add(step)
         finally:

@@ -13,7 +13,7 @@ import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import ray
@@ -21,6 +21,7 @@ from ray import serve
 
 from deployments.config import AppConfig
 from deployments.metrics import SessionMetrics
+from services import eagle_draft
 from services.draft import DraftEngine, DraftProposal
 from services.loading import LoadedModel, config_of, load_causal_lm, set_num_threads
 from services.prefill import PrefillEngine
@@ -42,6 +43,7 @@ class KVHandoff:
     kv_bytes: int
     put_at: float  # time.time() when the KV was put (the handoff latency starts here)
     prefill_node: str  # node id of the prefill replica
+    feature_refs: list = field(default_factory=list)  # [ObjectRef[Tensor [n, hidden]]] prompt features for a feature drafter
 
 
 @dataclass
@@ -115,16 +117,19 @@ class Prefill(_Stage):
         self.engine = PrefillEngine(load_target(self.config))
         warm_up(self.engine.runner)
 
-    async def prefill(self, prompt_ids: list[int], params: SamplingParams) -> KVHandoff:
-        result = await self._run(self.engine.prefill, prompt_ids, params)
+    async def prefill(self, prompt_ids: list[int], params: SamplingParams, features: bool = False) -> KVHandoff:
+        """``features``: also put the prompt's target features (for a feature drafter) in the object store."""
+        result = await self._run(lambda: self.engine.prefill(prompt_ids, params, features=features))
         put_at = time.time()
         ref = ray.put(result.payload)  # zero-copy for a verifier on this node; one transfer to another node
-        return KVHandoff(result.first_token, [ref], result.payload.nbytes, put_at, ray.get_runtime_context().get_node_id())
+        feature_refs = [ray.put(result.features)] if result.features is not None else []
+        return KVHandoff(result.first_token, [ref], result.payload.nbytes, put_at, ray.get_runtime_context().get_node_id(),
+                         feature_refs)
 
 
 @serve.deployment(name="Draft")
 class Draft(_Stage):
-    """Draft sessions (draft model or prompt lookup), pinned to this replica."""
+    """Draft sessions (draft model, EAGLE head or prompt lookup), pinned to this replica."""
 
     stage = "draft"
 
@@ -132,21 +137,28 @@ class Draft(_Stage):
         super().__init__(config)
         target_dir, draft_dir = model_dirs(self.config)
         target_config = config_of(target_dir)  # the pair itself is checked by the ingress
+        head_path = eagle_draft.find(draft_dir)
+        # the EAGLE head reads the target's frozen embeddings: load the target for them (the rest is dropped)
+        head = eagle_draft.load(head_path, load_target(self.config)) if head_path else None
         self.engine = DraftEngine(
             load_causal_lm(draft_dir, dtype=self.config.models.dtype),
             max_sessions=self.config.limits.max_sessions,
             max_kv_bytes=self.config.limits.max_kv_bytes,
             max_context=getattr(target_config, "max_position_embeddings", None),
+            eagle_head=head,
         )
         warm_up(self.engine.runner)
 
-    async def start(self, request_id: str, prompt_ids: list[int], params: SamplingParams, drafter: str) -> SessionOpened:
-        await self._run(self.engine.start, request_id, prompt_ids, params, drafter)
+    async def start(self, request_id: str, prompt_ids: list[int], params: SamplingParams, drafter: str,
+                    handoff: KVHandoff | None = None) -> SessionOpened:
+        """Open a session; a feature drafter resolves the prompt's features from the prefill's ``handoff`` here."""
+        features = await handoff.feature_refs[0] if handoff is not None and handoff.feature_refs else None
+        await self._run(self.engine.start, request_id, prompt_ids, params, drafter, features)
         self.opened += 1
         return SessionOpened(*_identity())
 
-    async def propose(self, request_id: str, k: int, accept: tuple[int, int] | None = None) -> DraftProposal:
-        """Accept the last verdict (``(n_matches, next_token)``: roll back to it), then draft k tokens."""
+    async def propose(self, request_id: str, k: int, accept: tuple | None = None) -> DraftProposal:
+        """Accept the last verdict (``(n_matches, next_token[, features])``: roll back to it), then draft k tokens."""
         def step():
             if accept is not None:
                 self.engine.accept(request_id, *accept)
@@ -172,11 +184,12 @@ class Verify(_Stage):
         )
         warm_up(self.engine.runner)
 
-    async def open(self, request_id: str, handoff: KVHandoff, params: SamplingParams) -> SessionOpened:
+    async def open(self, request_id: str, handoff: KVHandoff, params: SamplingParams, features: bool = False) -> SessionOpened:
+        """``features``: each verdict carries the target's features of the accepted positions (feature drafters)."""
         (ref,) = handoff.kv_refs
         payload = await ref  # resolved here, in the verifier: the ingress only ever held the reference
         handoff_ms = (time.time() - handoff.put_at) * 1000
-        await self._run(self.engine.open, request_id, payload, handoff.first_token, params)
+        await self._run(lambda: self.engine.open(request_id, payload, handoff.first_token, params, features=features))
         self.opened += 1
         return SessionOpened(*_identity(), handoff_ms=handoff_ms, resolved_bytes=payload.nbytes)
 

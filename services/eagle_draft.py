@@ -15,6 +15,7 @@ target's frozen embeddings, so the draft stage loads them from the target.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 from collections.abc import Sequence
@@ -34,6 +35,7 @@ logger = logging.getLogger(__name__)
 EAGLE_DRAFTER = "eagle"
 HEAD_FILE = "eagle_head.safetensors"
 HEAD_REPORT = "eagle_head.json"  # recipe, measured acceptance and c, and the target it was trained for
+IDENTITY_IGNORES = ("dtype", "torch_dtype", "_name_or_path", "transformers_version", "architectures")
 
 
 def find(draft_dir: str | Path | None) -> Path | None:
@@ -44,18 +46,31 @@ def find(draft_dir: str | Path | None) -> Path | None:
     return path if path.is_file() else None
 
 
+def target_identity(config) -> str:
+    """Which target a head belongs to: a hash of the target's config (not its dtype, folder name or version fields)."""
+    keep = {k: v for k, v in config.to_diff_dict().items() if k not in IDENTITY_IGNORES}
+    return hashlib.sha256(json.dumps(keep, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
 def load(path: Path, target: LoadedModel) -> eagle.EagleHead:
     """Load a head for ``target``; a head trained for another target is refused with a clear error."""
     report_path = path.with_name(HEAD_REPORT)
     report = json.loads(report_path.read_text()) if report_path.is_file() else {}
-    trained_for = report.get("target_fingerprint")
-    if trained_for and trained_for != target.fingerprint:
-        raise ValueError(f"the EAGLE head {path} was trained for target {trained_for!r}, not {target.fingerprint!r}")
+    trained_for, serving = report.get("target"), target_identity(target.config)
+    if trained_for and trained_for != serving:
+        raise ValueError(f"the EAGLE head {path} was trained for target {trained_for!r}, not this server's {serving!r}")
     head = eagle.load_head(target.model, path)
     if head.feature_dim != head.embed.shape[1] and head.cfg.feature == "final":
         raise ValueError(f"the EAGLE head {path} reads {head.feature_dim}-wide features; the target's are {head.embed.shape[1]}")
     logger.info("EAGLE head from %s: %s features, %d kept ids", path, head.cfg.feature, len(head.kept_ids))
     return head
+
+
+def installed_head(draft: LoadedModel | None, target: LoadedModel) -> eagle.EagleHead | None:
+    """The EAGLE head installed beside a drafter (in its folder), loaded for ``target``; None if there is none."""
+    folder = getattr(draft.model, "name_or_path", "") if draft is not None else ""
+    path = find(folder)
+    return load(path, target) if path else None
 
 
 @dataclass

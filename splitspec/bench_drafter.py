@@ -26,7 +26,8 @@ import statistics
 
 import torch
 
-from services.draft import DraftEngine
+from services.draft import EAGLE_DRAFTER, MODEL_DRAFTER, DraftEngine
+from services.eagle_draft import installed_head
 from services.loading import LoadedModel
 from services.loop import GenerationResult, generate
 from services.models.distill import chat_ids
@@ -59,7 +60,7 @@ def ideal_speedups(mean_len: float, k: int, c: float, v_k: float) -> tuple[float
 
 def _run_k(k: int, engines, prompts, references, *, max_new_tokens: int, t_target_step: float, off: Arm) -> dict:
     prefill, drafts, verify, costs = engines
-    n_proposals, n_verify = len(costs.draft_token_s), len(costs.verify_s[k + 1])
+    n_proposals, n_verify = len(costs.draft_token_s[drafts.drafter]), len(costs.verify_s[k + 1])
     arm, results, identical = Arm(f"k={k}"), [], True
     for ids, ref in zip(prompts, references):
         result = None
@@ -67,7 +68,7 @@ def _run_k(k: int, engines, prompts, references, *, max_new_tokens: int, t_targe
         def run_one(ids=ids):
             nonlocal result
             result = _traced_generate(prefill, drafts, verify, ids, max_new_tokens=max_new_tokens,
-                                      num_draft_tokens=k, params=SamplingParams())
+                                      num_draft_tokens=k, params=SamplingParams(), drafter=drafts.drafter)
             return result.token_ids
 
         identical &= _timed(arm, run_one) == ref
@@ -75,7 +76,7 @@ def _run_k(k: int, engines, prompts, references, *, max_new_tokens: int, t_targe
     drafted = sum(r.stats.drafted for r in results)
     accepted = sum(r.stats.accepted for r in results)
     steps = sum(r.stats.steps for r in results)
-    t_draft_token = statistics.median(costs.draft_token_s[n_proposals:])
+    t_draft_token = statistics.median(costs.draft_token_s[drafts.drafter][n_proposals:])
     t_verify = statistics.median(costs.verify_s[k + 1][n_verify:])
     mean_len = (accepted + steps) / steps
     c, v_k = t_draft_token / t_target_step, t_verify / t_target_step
@@ -104,20 +105,26 @@ def run(
     num_prompts: int = 8,
     max_new_tokens: int = 64,
     draft_vocab_size: int | None = None,
+    drafter: str | None = None,  # default: the EAGLE head when the drafter folder has one, else the draft model
     progress=print,
 ) -> dict:
     prompts = [chat_ids(target.tokenizer, p) for p in held_out_prompts()[:num_prompts]]
     costs = StepCosts()
-    prefill, draft_engine, verify_engine = PrefillEngine(target), DraftEngine(draft, draft_vocab_size=draft_vocab_size), VerifyEngine(target)
-    generate(prefill, draft_engine, verify_engine, prompts[0], max_new_tokens=8, num_draft_tokens=2, params=SamplingParams())  # warm up
-    engines = prefill, TimedDraft(draft_engine, costs), TimedVerify(verify_engine, costs), costs
+    draft_engine = DraftEngine(draft, draft_vocab_size=draft_vocab_size, eagle_head=installed_head(draft, target))
+    drafter = drafter or (EAGLE_DRAFTER if EAGLE_DRAFTER in draft_engine.drafters else MODEL_DRAFTER)
+    if drafter not in draft_engine.drafters:
+        raise ValueError(f"drafter {drafter!r} is not available here; this drafter folder offers {list(draft_engine.drafters)}")
+    prefill, verify_engine = PrefillEngine(target), VerifyEngine(target)
+    generate(prefill, draft_engine, verify_engine, prompts[0], max_new_tokens=8, num_draft_tokens=2, params=SamplingParams(),
+             drafter=drafter)  # warm up
+    engines = prefill, TimedDraft(draft_engine, costs, drafter), TimedVerify(verify_engine, costs), costs
     # 1. the target alone: the reference output and the cost of one target step
     off, references = Arm("speculation off"), []
     for ids in prompts:
         references.append(_timed(off, lambda ids=ids: generate(prefill, None, engines[2], ids, max_new_tokens=max_new_tokens,
                                                                 num_draft_tokens=1, params=SamplingParams()).token_ids))
     t_target_step = statistics.median(costs.verify_s[1])
-    vocab = _draft_vocab_size(draft_engine)
+    vocab = _draft_vocab_size(draft_engine) if drafter == MODEL_DRAFTER else len(draft_engine.eagle_head.kept_ids)
     progress(f"target alone: {off.tok_s:.2f} tok/s, t_target_step {t_target_step * 1000:.2f} ms; "
              f"drafter head keeps {vocab} of {draft.vocab_size} ids")
     # 2. the speculative loop at each k
@@ -130,11 +137,12 @@ def run(
                  f"(c = {row['draft_cost_ratio']:.3f}), v_k = {row['verify_cost_ratio']:.2f}; ideal "
                  f"{row['ideal_speedup_sequential']:.2f}x sequential, {row['ideal_speedup_overlapped']:.2f}x overlapped; "
                  f"measured {row['measured_speedup_sequential']:.2f}x; identical={row['greedy_identical']}")
-    return _report(rows, costs, t_target_step, off, vocab, target, draft, len(prompts), max_new_tokens)
+    return _report(rows, costs, t_target_step, off, vocab, target, draft, len(prompts), max_new_tokens, drafter)
 
 
-def _report(rows, costs: StepCosts, t_target_step: float, off: Arm, vocab: int, target, draft, prompts: int, max_new_tokens: int) -> dict:
-    t_draft_token = statistics.median(costs.draft_token_s)
+def _report(rows, costs: StepCosts, t_target_step: float, off: Arm, vocab: int, target, draft, prompts: int, max_new_tokens: int,
+            drafter: str) -> dict:
+    t_draft_token = statistics.median(costs.draft_token_s[drafter])
     report = {f"acceptance_rate_k{r['k']}": r["acceptance_rate"] for r in rows}  # issue 8's goal: k = 3
     report |= {f"mean_accepted_length_k{r['k']}": r["mean_accepted_length"] for r in rows}
     report |= {
@@ -147,7 +155,7 @@ def _report(rows, costs: StepCosts, t_target_step: float, off: Arm, vocab: int, 
         "greedy_identical": all(r["greedy_identical"] for r in rows),
         "setup": {
             "prompts": prompts, "max_new_tokens": max_new_tokens, "threads": torch.get_num_threads(),
-            "target": target.model_id, "draft": draft.model_id, "draft_vocab_size": vocab,
+            "target": target.model_id, "draft": draft.model_id, "drafter": drafter, "draft_vocab_size": vocab,
         },
         "runs": rows,
     }

@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from services.draft import MODEL_DRAFTER, PROMPT_LOOKUP_DRAFTER, DraftEngine
+from services.draft import EAGLE_DRAFTER, MODEL_DRAFTER, PROMPT_LOOKUP_DRAFTER, DraftEngine
+from services.eagle_draft import installed_head
 from services.loading import LoadedModel
 from services.loop import GenerationResult, SpeculationStats, generate, speculative_decode
 from services.models.distill import chat_ids
@@ -46,7 +47,7 @@ class Arm:
 class StepCosts:
     """Wall-clock seconds of each draft proposal and verify pass a run made (real contexts)."""
 
-    draft_token_s: list[float] = field(default_factory=list)  # one per model-drafter proposal: seconds / tokens
+    draft_token_s: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))  # drafter -> per proposal: seconds / tokens
     verify_s: dict[int, list[float]] = field(default_factory=lambda: defaultdict(list))  # tokens scored -> seconds
 
     def min_verify(self) -> dict[int, float]:
@@ -57,11 +58,11 @@ class StepCosts:
 
 
 class TimedDraft:
-    """A DraftEngine whose model-drafter proposals are timed into ``costs``."""
+    """A DraftEngine whose proposals are timed into ``costs``, by drafter."""
 
-    def __init__(self, engine: DraftEngine, costs: StepCosts):
+    def __init__(self, engine: DraftEngine, costs: StepCosts, drafter: str = MODEL_DRAFTER):
         self.engine, self.costs = engine, costs
-        self.timed = True  # False while running a drafter whose cost is not the model's
+        self.drafter = drafter  # the drafter being run (set before each run)
 
     def __getattr__(self, name):
         return getattr(self.engine, name)
@@ -70,8 +71,8 @@ class TimedDraft:
         start = time.perf_counter()
         proposal = self.engine.propose(request_id, k)
         seconds = time.perf_counter() - start
-        if self.timed and proposal.token_ids:
-            self.costs.draft_token_s.append(seconds / len(proposal.token_ids))
+        if proposal.token_ids:
+            self.costs.draft_token_s[self.drafter].append(seconds / len(proposal.token_ids))
         return proposal
 
 
@@ -139,7 +140,7 @@ def run(
     prompts = [chat_ids(target.tokenizer, p) for p in held_out_prompts()[:num_prompts]]
     costs = StepCosts()
     prefill = PrefillEngine(target)
-    draft_engine, verify_engine = DraftEngine(draft), VerifyEngine(target)
+    draft_engine, verify_engine = DraftEngine(draft, eagle_head=installed_head(draft, target)), VerifyEngine(target)
     greedy = SamplingParams()
     # warm up every path once (untimed)
     _hf_generate(target.model, prompts[0], 4)
@@ -152,21 +153,25 @@ def run(
         references.append(_timed(target_arm, lambda: _hf_generate(target.model, ids, max_new_tokens)))
         _timed(own_arm, lambda: generate(prefill, None, verify, ids, max_new_tokens=max_new_tokens, num_draft_tokens=1, params=greedy).token_ids)
     progress(f"{target_arm.name}: {target_arm.tok_s:.2f} tok/s; {own_arm.name}: {own_arm.tok_s:.2f} tok/s")
-    configs = [(MODEL_DRAFTER, k) for k in ks] + [(PROMPT_LOOKUP_DRAFTER, prompt_lookup_k)]
+    learned = [d for d in (MODEL_DRAFTER, EAGLE_DRAFTER) if d in draft_engine.drafters]  # drafters with a model
+    configs = [(d, k) for d in learned for k in ks] + [(PROMPT_LOOKUP_DRAFTER, prompt_lookup_k)]
     runs, traces = [], []
     for drafter, k in configs:
         hf_arm, ours = Arm("transformers assisted"), Arm("splitspec loop")
         identical, drafted, accepted, steps, trace = True, 0, 0, 0, []
-        drafts.timed = drafter == MODEL_DRAFTER
+        drafts.drafter = drafter
         for ids, ref in zip(prompts, references):
-            if drafter == MODEL_DRAFTER:
+            if drafter == EAGLE_DRAFTER:
+                hf_kwargs = None  # transformers has no EAGLE heads
+            elif drafter == MODEL_DRAFTER:
                 draft.model.generation_config.num_assistant_tokens = k
                 draft.model.generation_config.num_assistant_tokens_schedule = "constant"
                 draft.model.generation_config.assistant_confidence_threshold = 0.0
                 hf_kwargs = {"assistant_model": draft.model}
             else:
                 hf_kwargs = {"prompt_lookup_num_tokens": k}
-            _timed(hf_arm, lambda: _hf_generate(target.model, ids, max_new_tokens, **hf_kwargs))
+            if hf_kwargs is not None:
+                _timed(hf_arm, lambda: _hf_generate(target.model, ids, max_new_tokens, **hf_kwargs))
             result = None
 
             def ours_fn():
@@ -185,48 +190,55 @@ def run(
         row = {
             "drafter": drafter,
             "k": k,
-            "hf_assisted_tok_s": round(hf_arm.tok_s, 3),
+            "hf_assisted_tok_s": round(hf_arm.tok_s, 3) if hf_arm.seconds else None,
             "splitspec_tok_s": round(ours.tok_s, 3),
             "ratio_vs_target": round(ours.tok_s / target_arm.tok_s, 3),
-            "ratio_vs_hf_assisted": round(ours.tok_s / hf_arm.tok_s, 3),
+            "ratio_vs_splitspec_off": round(ours.tok_s / own_arm.tok_s, 3),
+            "ratio_vs_hf_assisted": round(ours.tok_s / hf_arm.tok_s, 3) if hf_arm.seconds else None,
             "acceptance_rate": round(alpha, 4),
             "mean_accepted_length": round(mean_len, 3),
             "greedy_identical": identical,
         }
         runs.append(row)
         traces.append((ours, trace))
+        hf = f", {row['ratio_vs_hf_assisted']:.2f}x HF assisted {hf_arm.tok_s:.2f}" if hf_arm.seconds else ""
         progress(
             f"{drafter:13s} k={k}: splitspec {ours.tok_s:6.2f} tok/s ({row['ratio_vs_target']:.2f}x target, "
-            f"{row['ratio_vs_hf_assisted']:.2f}x HF assisted {hf_arm.tok_s:.2f}), acceptance {alpha:.1%}, "
+            f"{row['ratio_vs_splitspec_off']:.2f}x splitspec off{hf}), acceptance {alpha:.1%}, "
             f"mean accepted length {mean_len:.2f}, identical={identical}"
         )
     # ideal: the minima over every step of the benchmark are known only now
-    min_draft, min_verify = min(costs.draft_token_s), costs.min_verify()
+    min_draft = {d: min(times) for d, times in costs.draft_token_s.items() if d in learned}
+    min_verify = costs.min_verify()
     for row, (ours, trace) in zip(runs, traces):
-        draft_cost = min_draft if row["drafter"] == MODEL_DRAFTER else 0.0
+        draft_cost = min_draft.get(row["drafter"], 0.0)  # prompt lookup's cost is not a model's: counted as free
         ideal_tok_s = ours.tokens / sum(ideal_seconds(result, draft_cost, min_verify) for result in trace)
         row["ideal_tok_s"] = round(ideal_tok_s, 3)
         row["ideal_speedup"] = round(ideal_tok_s / target_arm.tok_s, 3)
         row["fraction_of_ideal"] = round(ours.tok_s / ideal_tok_s, 3)
         progress(f"{row['drafter']:13s} k={row['k']}: ideal {ideal_tok_s:.2f} tok/s, {row['fraction_of_ideal']:.0%} reached")
-    best = max((r for r in runs if r["drafter"] == MODEL_DRAFTER), key=lambda r: r["splitspec_tok_s"])
+    best = max((r for r in runs if r["drafter"] in learned), key=lambda r: r["splitspec_tok_s"])
     return {
         "target_tok_s": round(target_arm.tok_s, 3),
         "splitspec_no_speculation_tok_s": round(own_arm.tok_s, 3),
-        "hf_assisted_tok_s": best["hf_assisted_tok_s"],
+        "hf_assisted_tok_s": max(r["hf_assisted_tok_s"] for r in runs if r["drafter"] == MODEL_DRAFTER),  # its best k
         "splitspec_tok_s": best["splitspec_tok_s"],
         "acceptance_rate": best["acceptance_rate"],
         "mean_accepted_length": best["mean_accepted_length"],
         "ideal_speedup": best["ideal_speedup"],
         "best_k": best["k"],
+        "best_drafter": best["drafter"],
+        "speedup_vs_splitspec_off": best["ratio_vs_splitspec_off"],
         "greedy_identical": all(r["greedy_identical"] for r in runs),
         "costs_ms": {  # minima over the run's own steps (what the ideal uses)
             "verify": {n: round(s * 1000, 2) for n, s in min_verify.items()},
-            "draft_token": round(min_draft * 1000, 2),
+            "draft_token": round(min_draft[MODEL_DRAFTER] * 1000, 2),
+            "draft_token_by_drafter": {d: round(s * 1000, 2) for d, s in min_draft.items()},
         },
         "costs_ms_median": {
             "verify": {n: round(s * 1000, 2) for n, s in costs.median_verify().items()},
-            "draft_token": round(statistics.median(costs.draft_token_s) * 1000, 2),
+            "draft_token": round(statistics.median(costs.draft_token_s[MODEL_DRAFTER]) * 1000, 2),
+            "draft_token_by_drafter": {d: round(statistics.median(costs.draft_token_s[d]) * 1000, 2) for d in learned},
         },
         "setup": {
             "prompts": len(prompts), "max_new_tokens": max_new_tokens, "threads": torch.get_num_threads(),

@@ -39,14 +39,15 @@ def cmd_bench_engine(args) -> int:
     report = bench_engine.run(
         target, draft, ks=ks, num_prompts=args.prompts, max_new_tokens=args.max_new_tokens, prompt_lookup_k=args.prompt_lookup_k
     )
-    best = [r for r in report["runs"] if r["k"] == report["best_k"] and r["drafter"] == "model"][0]
+    best = [r for r in report["runs"] if r["k"] == report["best_k"] and r["drafter"] == report["best_drafter"]][0]
     print(
-        f"\nbest k={report['best_k']}: splitspec {report['splitspec_tok_s']:.2f} tok/s = "
-        f"{best['ratio_vs_target']:.2f}x target alone ({report['target_tok_s']:.2f}) and "
-        f"{best['ratio_vs_hf_assisted']:.2f}x transformers assisted ({report['hf_assisted_tok_s']:.2f}); "
+        f"\nbest {report['best_drafter']} k={report['best_k']}: splitspec {report['splitspec_tok_s']:.2f} tok/s = "
+        f"{best['ratio_vs_target']:.2f}x target alone ({report['target_tok_s']:.2f}), "
+        f"{best['ratio_vs_splitspec_off']:.2f}x splitspec off ({report['splitspec_no_speculation_tok_s']:.2f}); "
+        f"transformers assisted (model drafter, best k) {report['hf_assisted_tok_s']:.2f} tok/s; "
         f"ideal speedup {report['ideal_speedup']:.2f}x; greedy identical: {report['greedy_identical']}"
     )
-    print(f"verify cost (ms) by tokens: {report['costs_ms']['verify']}; draft token: {report['costs_ms']['draft_token']} ms")
+    print(f"verify cost (ms) by tokens: {report['costs_ms']['verify']}; draft token (ms): {report['costs_ms']['draft_token_by_drafter']}")
     return _write_report(args, report)
 
 
@@ -55,8 +56,8 @@ def cmd_bench_drafter(args) -> int:
 
     target, draft = _load_pair(args)
     report = bench_drafter.run(target, draft, ks=[int(k) for k in args.ks.split(",")], num_prompts=args.prompts,
-                               max_new_tokens=args.max_new_tokens, draft_vocab_size=args.draft_vocab)
-    print(f"\ndrafter {report['setup']['draft']} (head keeps {report['setup']['draft_vocab_size']} ids): "
+                               max_new_tokens=args.max_new_tokens, draft_vocab_size=args.draft_vocab, drafter=args.drafter)
+    print(f"\n{report['setup']['drafter']} drafter {report['setup']['draft']} (head keeps {report['setup']['draft_vocab_size']} ids): "
           f"t_draft_token {report['t_draft_token_ms']:.2f} ms, t_target_step {report['t_target_step_ms']:.2f} ms, "
           f"c = {report['draft_cost_ratio']:.3f}; ideal speedup {report['best_ideal_speedup_sequential']:.2f}x sequential, "
           f"{report['best_ideal_speedup_overlapped']:.2f}x overlapped; greedy identical: {report['greedy_identical']}")
@@ -73,6 +74,7 @@ def _write_report(args, report: dict) -> int:
 
 def cmd_generate_local(args) -> int:
     from services.draft import DraftEngine
+    from services.eagle_draft import installed_head
     from services.loop import speculative_decode
     from services.models.distill import chat_ids
     from services.prefill import PrefillEngine
@@ -84,7 +86,7 @@ def cmd_generate_local(args) -> int:
     k = 1 if args.k is None else args.k
     params = SamplingParams(temperature=args.temperature, top_p=1.0 if args.top_p is None else args.top_p,
                             top_k=args.top_k, seed=args.seed)
-    engines = PrefillEngine(target), (DraftEngine(draft) if k > 0 else None), VerifyEngine(target)
+    engines = PrefillEngine(target), (DraftEngine(draft, eagle_head=installed_head(draft, target)) if k > 0 else None), VerifyEngine(target)
     tokens, drafted, accepted = [], 0, 0
     for step in speculative_decode(*engines, ids, max_new_tokens=args.max_new_tokens, num_draft_tokens=max(k, 1),
                                    params=params, drafter=args.drafter or "model"):
@@ -274,6 +276,7 @@ def build_parser() -> argparse.ArgumentParser:
     drafter.add_argument("--max-new-tokens", type=int, default=64)
     drafter.add_argument("--draft-vocab", type=int, default=None,
                          help="ids the drafter's LM head keeps (default: the drafter's shipped size; 0 = full vocabulary)")
+    drafter.add_argument("--drafter", choices=["model", "eagle"], help="default: eagle when the drafter folder has a head")
     drafter.add_argument("--json", help="also write the report as JSON here")
     drafter.set_defaults(fn=cmd_bench_drafter)
     grpc_bench = bench.add_parser("grpc", help="tokens/s through the gRPC service, speculation on vs off")
@@ -315,7 +318,7 @@ def build_parser() -> argparse.ArgumentParser:
     _model_args(gen)
     gen.add_argument("--max-new-tokens", type=int, default=128)
     gen.add_argument("--k", type=int, default=None, help="draft tokens per step (0 = speculation off; default: server's)")
-    gen.add_argument("--drafter", choices=["model", "prompt_lookup"], help="default: the server's")
+    gen.add_argument("--drafter", choices=["model", "eagle", "prompt_lookup"], help="default: the server's")
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=None)
     gen.add_argument("--top-k", type=int, default=0)

@@ -37,6 +37,8 @@ SHIPPED_WEIGHTS = Path(__file__).parent / "drafter_weights"
 SHIPPED_DRAFTER = SHIPPED_WEIGHTS / "drafter.safetensors"
 SHIPPED_REPORT = SHIPPED_WEIGHTS / "drafter.json"
 SHIPPED_DRAFT_VOCAB = SHIPPED_WEIGHTS / draft_vocab.DRAFT_VOCAB_FILE
+SHIPPED_EAGLE = Path(__file__).parent / "eagle_weights" / "eagle-final.safetensors"  # services.models.eagle_recipe
+SHIPPED_EAGLE_REPORT = SHIPPED_EAGLE.with_suffix(".json")
 READY_MARKER = ".splitspec-ready"
 
 
@@ -106,6 +108,7 @@ def prepare_drafter(*, retrain: bool = False, config: distill.DistillConfig | No
     out = drafter_dir()
     if is_ready(out) and not retrain and _matches_shipped(out):
         _install_draft_vocab(out)
+        _install_eagle_head(out)
         return out
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -137,6 +140,7 @@ def prepare_drafter(*, retrain: bool = False, config: distill.DistillConfig | No
     _save(student, tokenizer, out)
     (out / "drafter.json").write_text(json.dumps(report, indent=2) + "\n")
     _install_draft_vocab(out)
+    _install_eagle_head(out)
     return out
 
 
@@ -149,6 +153,30 @@ def _install_draft_vocab(out: Path) -> None:
     if not installed.is_file() or installed.read_bytes() != SHIPPED_DRAFT_VOCAB.read_bytes():
         shutil.copyfile(SHIPPED_DRAFT_VOCAB, installed)
         logger.info("installed the draft vocabulary %s", installed)
+
+
+def _install_eagle_head(out: Path) -> None:
+    """Copy the shipped EAGLE head into the drafter folder (where the draft stage finds it), with its report.
+
+    The report names the target it was trained for (services.eagle_draft.target_identity), so a head is
+    never used with another target.
+    """
+    from services import eagle_draft
+    from services.loading import config_of
+
+    head, report_path = out / eagle_draft.HEAD_FILE, out / eagle_draft.HEAD_REPORT
+    if not SHIPPED_EAGLE.is_file():
+        head.unlink(missing_ok=True)
+        report_path.unlink(missing_ok=True)
+        return
+    report = json.loads(SHIPPED_EAGLE_REPORT.read_text()) if SHIPPED_EAGLE_REPORT.is_file() else {}
+    report["target"] = eagle_draft.target_identity(config_of(target_dir()))
+    text = json.dumps(report, indent=2) + "\n"
+    if not head.is_file() or head.read_bytes() != SHIPPED_EAGLE.read_bytes():
+        shutil.copyfile(SHIPPED_EAGLE, head)
+        logger.info("installed the EAGLE head %s", head)
+    if not report_path.is_file() or report_path.read_text() != text:
+        report_path.write_text(text)
 
 
 def _matches_shipped(out: Path) -> bool:

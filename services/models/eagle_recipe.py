@@ -95,13 +95,13 @@ def measure_costs(head: eagle.EagleHead | None, row: dict) -> dict:
     return {k: round(v * 1000, 3) if k.endswith("_s") else round(v, 4) for k, v in out.items()}
 
 
-def save_head(head: eagle.EagleHead, report: dict, name: str) -> Path:
-    WEIGHTS_DIR.mkdir(exist_ok=True)
+def save_head(head: eagle.EagleHead, report: dict, name: str, folder: Path = WEIGHTS_DIR) -> Path:
+    folder.mkdir(exist_ok=True)
     state = {k: v.to(torch.bfloat16).contiguous() for k, v in head.trainable_state().items()}
     state["kept_ids"] = head.kept_ids.int().contiguous()
-    path = WEIGHTS_DIR / f"{name}.safetensors"
+    path = folder / f"{name}.safetensors"
     save_file(state, path, metadata={"config": json.dumps(asdict(head.cfg))})
-    (WEIGHTS_DIR / f"{name}.json").write_text(json.dumps(report, indent=2) + "\n")
+    (folder / f"{name}.json").write_text(json.dumps(report, indent=2) + "\n")
     return path
 
 

@@ -3,6 +3,7 @@
 import pytest
 
 from services.draft import DraftEngine
+from services.eagle_draft import installed_head
 from services.loop import generate
 from services.models.distill import chat_ids
 from services.models.prompts import held_out_prompts
@@ -20,7 +21,7 @@ NUM_PROMPTS = 8
 @pytest.fixture(scope="module")
 def engines(default_pair):
     target, draft = default_pair
-    return PrefillEngine(target), DraftEngine(draft), VerifyEngine(target)
+    return PrefillEngine(target), DraftEngine(draft, eagle_head=installed_head(draft, target)), VerifyEngine(target)
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +38,8 @@ def test_pair_is_a_real_model(default_pair):
     assert "def is_prime" in text
 
 
-@pytest.mark.parametrize("drafter,k", [("model", 1), ("model", 3), ("model", 5), ("prompt_lookup", 3)])
+@pytest.mark.parametrize("drafter,k", [("model", 1), ("model", 3), ("model", 5), ("eagle", 1), ("eagle", 3), ("eagle", 5),
+                                       ("prompt_lookup", 3)])
 def test_greedy_equals_target_alone(default_pair, engines, prompts, drafter, k):
     """8 prompts x 64 tokens: token-identical to generate(do_sample=False) of the target."""
     target, _ = default_pair
@@ -57,3 +59,10 @@ def test_drafter_head_keeps_the_shipped_draft_vocabulary(default_pair, engines):
     shipped = load(SHIPPED_DRAFT_VOCAB)
     assert draft.kept_ids.tolist() == shipped.kept_ids().tolist()
     assert draft.kept_ids.numel() == shipped.default_size < default_pair[1].vocab_size
+
+
+def test_prepare_installs_the_shipped_eagle_head(default_pair, engines):
+    """`models prepare` puts the shipped EAGLE head beside the drafter, so the pair offers every drafter kind."""
+    _, draft, _ = engines
+    assert draft.drafters == ("model", "prompt_lookup", "eagle")
+    assert draft.eagle_head.cfg.feature == "final"

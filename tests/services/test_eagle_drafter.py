@@ -1,0 +1,122 @@
+"""The EAGLE drafter in the engine (tiny pair, random head): greedy identical to the target alone, sampled
+output follows the target exactly, q lives on the kept ids, and misuse gets clear errors."""
+
+import pytest
+import torch
+
+from services import eagle_draft
+from services.draft import DraftEngine
+from services.errors import InvalidRequestError
+from services.loop import generate
+from services.models import eagle
+from services.models.tiny import TINY_VOCAB_SIZE
+from services.prefill import PrefillEngine
+from services.sampling import SamplingParams, logits_to_probs
+from services.verify import VerifyEngine
+from tests.conftest import greedy_reference
+from tests.services.test_engine import NEW_TOKENS, PROMPTS
+from tests.services.test_sampling import assert_follows
+
+KEPT = 64  # ids the head keeps, of the tiny vocabulary's 96
+DRAWS = 3000
+
+
+@pytest.fixture(scope="module")
+def engines(tiny):
+    """Prefill, a draft engine offering a random (untrained) EAGLE head over a pruned vocabulary, and verify."""
+    target, draft = tiny
+    torch.manual_seed(3)
+    kept = torch.sort(torch.randperm(TINY_VOCAB_SIZE)[:KEPT]).values
+    head = eagle.EagleHead(target.model, eagle.EagleConfig(draft_vocab=KEPT), kept, target.config.hidden_size)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return PrefillEngine(target), DraftEngine(draft, eagle_head=head.eval()), VerifyEngine(target)
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_greedy_equals_target_alone(tiny, engines, k):
+    target, _ = tiny
+    prefill, draft, verify = engines
+    accepted = 0
+    for prompt in PROMPTS:
+        result = generate(prefill, draft, verify, prompt, max_new_tokens=NEW_TOKENS, num_draft_tokens=k,
+                          params=SamplingParams(), drafter="eagle")
+        assert result.token_ids == greedy_reference(target.model, prompt, NEW_TOKENS), f"prompt {prompt}"
+        accepted += result.stats.accepted
+    assert accepted > 0, "no draft was accepted: the multi-row feature path was not exercised"
+
+
+def test_sampled_tokens_follow_the_target(tiny, engines):
+    """With the first token fixed, the first verified token is distributed as the target's p (chi-square)."""
+    target, _ = tiny
+    prefill, draft, verify = engines
+    prompt, first = [1, 40, 41, 42, 43], 44
+    params = SamplingParams(temperature=1.0)
+    result = prefill.prefill(prompt, params, features=True)
+    with torch.inference_mode():
+        logits = target.model(input_ids=torch.tensor([prompt + [first]])).logits[0, -1:]
+    p = logits_to_probs(logits.float(), params)[0]  # [vocab_size]
+    counts = torch.zeros(TINY_VOCAB_SIZE)
+    for seed in range(DRAWS):
+        seeded = SamplingParams(temperature=1.0, seed=seed)
+        verify.open("r", result.payload, first, seeded, features=True)
+        draft.start("r", prompt, seeded, "eagle", result.features)
+        draft.accept("r", 0, first)
+        proposal = draft.propose("r", 2)
+        verdict = verify.verify("r", proposal.token_ids, proposal.probs)
+        counts[verdict.token_ids[0]] += 1
+        verify.close("r")
+        draft.close("r")
+    assert_follows(counts, p)
+
+
+def test_q_lives_on_the_kept_ids(engines):
+    prefill, draft, _ = engines
+    prompt, params = [1, 5, 7, 9], SamplingParams(temperature=0.8, seed=1)
+    result = prefill.prefill(prompt, params, features=True)
+    draft.start("q", prompt, params, "eagle", result.features)
+    draft.accept("q", 0, result.first_token)
+    proposal = draft.propose("q", 4)
+    draft.close("q")
+    outside = torch.ones(TINY_VOCAB_SIZE, dtype=torch.bool)
+    outside[draft.eagle_head.kept_ids] = False
+    assert proposal.probs.shape == (4, TINY_VOCAB_SIZE)
+    assert torch.allclose(proposal.probs.sum(-1), torch.ones(4))
+    assert proposal.probs[:, outside].sum() == 0
+    assert all(proposal.probs[j, x] > 0 for j, x in enumerate(proposal.token_ids))
+
+
+def test_misuse_gets_clear_errors(tiny, engines):
+    target, draft_model = tiny
+    prefill, draft, _ = engines
+    prompt, params = [1, 5, 7], SamplingParams()
+    with pytest.raises(InvalidRequestError, match="prompt's target features"):
+        draft.start("e", prompt, params, "eagle")
+    with pytest.raises(InvalidRequestError, match="unknown drafter 'eagle'"):
+        DraftEngine(draft_model).start("e", prompt, params, "eagle")
+    wrong = torch.zeros(len(prompt) + 1, target.config.hidden_size)
+    with pytest.raises(InvalidRequestError, match="prompt features have shape"):
+        draft.start("e", prompt, params, "eagle", wrong)
+    draft.start("e", prompt, params, "eagle", prefill.prefill(prompt, params, features=True).features)
+    with pytest.raises(InvalidRequestError, match="accept a verdict"):
+        draft.propose("e", 2)
+    draft.close("e")
+
+
+def test_a_head_for_another_target_is_refused(tiny, tmp_path):
+    """The installed report names the target; loading the head for another target fails with that reason."""
+    import json
+
+    from services.models.eagle_recipe import save_head
+
+    target, _ = tiny
+    head = eagle.EagleHead(target.model, eagle.EagleConfig(draft_vocab=KEPT), torch.arange(KEPT), target.config.hidden_size)
+    path = save_head(head, {}, "tiny-head", folder=tmp_path)
+    (tmp_path / eagle_draft.HEAD_REPORT).write_text(json.dumps({"target": "0123456789abcdef"}))
+    path.rename(tmp_path / eagle_draft.HEAD_FILE)
+    assert eagle_draft.find(tmp_path) == tmp_path / eagle_draft.HEAD_FILE
+    with pytest.raises(ValueError, match="was trained for target"):
+        eagle_draft.load(tmp_path / eagle_draft.HEAD_FILE, target)
+    (tmp_path / eagle_draft.HEAD_REPORT).write_text(json.dumps({"target": eagle_draft.target_identity(target.config)}))
+    assert eagle_draft.load(tmp_path / eagle_draft.HEAD_FILE, target).kept_ids.tolist() == list(range(KEPT))
