@@ -6,7 +6,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from deployments.config import AppConfig
-from services.draft import DRAFTERS
+from services.draft import DRAFTERS, MODEL_DRAFTER
 from services.errors import InvalidRequestError
 from services.loop import FINISH_LENGTH, FINISH_STOP, SpeculationStats
 from services.sampling import SamplingParams
@@ -40,7 +40,8 @@ class Plan:
     fallback: bool = False  # speculation was turned off mid-request after a draft-stage failure
 
 
-def parse(request, config: AppConfig, tokenizer, *, max_context: int, vocab_size: int, drafters=DRAFTERS) -> Plan:
+def parse(request, config: AppConfig, tokenizer, *, max_context: int, vocab_size: int, drafters=DRAFTERS,
+          default_drafter: str = MODEL_DRAFTER) -> Plan:
     """Validate a GenerateRequest / GenerateStreamRequest; raise InvalidRequestError with an actionable message."""
     request_id = request.request_id or uuid.uuid4().hex
     if len(request_id) > MAX_REQUEST_ID_CHARS:
@@ -64,7 +65,7 @@ def parse(request, config: AppConfig, tokenizer, *, max_context: int, vocab_size
     speculate = defaults.enabled if mode == pb.SpeculationPolicy.MODE_UNSPECIFIED else mode == pb.SpeculationPolicy.MODE_ON
     k = policy.num_draft_tokens or defaults.num_draft_tokens
     validate_num_draft_tokens(int(k))
-    drafter = policy.drafter or defaults.drafter
+    drafter = policy.drafter or default_drafter
     if drafter not in drafters:
         raise InvalidRequestError(f"unknown drafter {drafter!r}; this server offers {list(drafters)}")
     return Plan(

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from services.draft import DRAFTERS, MODEL_DRAFTER
+from services.draft import DRAFTERS
 from services.validation import MAX_DRAFT_TOKENS, MIN_DRAFT_TOKENS
 
 STAGES = ("prefill", "draft", "verify")
@@ -43,7 +43,9 @@ class StageConfig(_Strict):
 class SpeculationDefaults(_Strict):
     enabled: bool = Field(True, description="speculate unless a request turns it off")
     num_draft_tokens: int = Field(1, ge=MIN_DRAFT_TOKENS, le=MAX_DRAFT_TOKENS, description="default k")
-    drafter: str = Field(MODEL_DRAFTER, description=f"default drafter, one of {list(DRAFTERS)}")
+    drafter: str = Field(
+        "", description=f"default drafter, one of {list(DRAFTERS)}; empty = eagle when the drafter folder has an EAGLE head, else model"
+    )
 
 
 class Limits(_Strict):
@@ -85,7 +87,7 @@ class AppConfig(_Strict):
 
     @model_validator(mode="after")
     def _check(self) -> "AppConfig":
-        if self.speculation.drafter not in DRAFTERS:
+        if self.speculation.drafter and self.speculation.drafter not in DRAFTERS:
             raise ValueError(f"speculation.drafter must be one of {list(DRAFTERS)}, got {self.speculation.drafter!r}")
         if self.limits.default_max_new_tokens > self.limits.max_new_tokens:
             raise ValueError("limits.default_max_new_tokens must not exceed limits.max_new_tokens")

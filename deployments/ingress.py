@@ -26,9 +26,8 @@ from deployments.placement import unplaceable
 from deployments.routing import pin
 from deployments.stages import model_dirs
 from deployments.status import RequestDeadlineError, StageUnavailableError, to_status, unwrap
-from services.draft import FEATURE_DRAFTERS
-from services.eagle_draft import EAGLE_DRAFTER
 from services import eagle_draft
+from services.draft import DRAFTERS, EAGLE_DRAFTER, FEATURE_DRAFTERS, MODEL_DRAFTER
 from services.errors import CapacityError, SessionNotFoundError
 from services.loading import check_tokenizers, describe
 from services.loop import StepOutput, finish_step
@@ -70,7 +69,10 @@ class SpecDecodeIngress:
         target_dir, draft_dir = model_dirs(self.config)
         self.target = describe(target_dir)
         check_tokenizers(self.target, draft_dir)
-        if self.config.speculation.drafter == EAGLE_DRAFTER and eagle_draft.find(draft_dir) is None:
+        has_head = eagle_draft.find(draft_dir) is not None  # the draft stage loads it (and checks it fits the target)
+        self.drafters = tuple(d for d in DRAFTERS if d != EAGLE_DRAFTER or has_head)
+        self.default_drafter = self.config.speculation.drafter or (EAGLE_DRAFTER if has_head else MODEL_DRAFTER)
+        if self.default_drafter not in self.drafters:
             raise ValueError(f"speculation.drafter is {EAGLE_DRAFTER!r} but {draft_dir} has no {eagle_draft.HEAD_FILE} "
                              "(`splitspec models prepare` installs the default pair's)")
         self.unplaceable: dict[str, str] = {}
@@ -141,7 +143,7 @@ class SpecDecodeIngress:
         if essential:
             raise StageUnavailableError("; ".join(essential))
         return api.parse(request, self.config, self.target.tokenizer, max_context=self.target.max_context,
-                         vocab_size=self.target.vocab_size)
+                         vocab_size=self.target.vocab_size, drafters=self.drafters, default_drafter=self.default_drafter)
 
     async def _collect(self, plan: api.Plan, timer: _Timer) -> tuple[str, list[int], str]:
         text, token_ids, finish_reason = "", [], ""

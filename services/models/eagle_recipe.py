@@ -118,6 +118,8 @@ def main(argv=None):
     parser.add_argument("--train-seconds", type=float, default=None, help="stop training after this long")
     parser.add_argument("--max-shards", type=int, default=None, help="train on the first shards only (data-size curve)")
     parser.add_argument("--name", default=None)
+    parser.add_argument("--init", type=Path, default=None,
+                        help="warm start from a saved head (its kept ids and weights), e.g. the shipped eagle-final.safetensors")
     parser.add_argument("--compare-model", action="store_true", help="also measure the shipped model drafter")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
@@ -131,8 +133,13 @@ def main(argv=None):
     sets = eval_sets(target, tokenizer, data_cfg)
     rows = data["rows"]
     logger.info("training data: %s", data["report"])
-    kept = eagle.kept_vocabulary(rows, cfg.draft_vocab, target.config.vocab_size)
-    head = eagle.EagleHead(target, cfg, kept, rows[0][cfg.feature].shape[-1])
+    if args.init is not None:  # same kept ids and weights; this run's schedule
+        head = load_head(target, args.init).requires_grad_(True)
+        head.cfg = cfg
+        head.train()
+    else:
+        kept = eagle.kept_vocabulary(rows, cfg.draft_vocab, target.config.vocab_size)
+        head = eagle.EagleHead(target, cfg, kept, rows[0][cfg.feature].shape[-1])
     t0 = time.perf_counter()
     ckpt = home() / "selfinstruct" / f"eagle-{cfg.feature}-checkpoint.pt"
     log = eagle.train(head, rows, cfg, data_cfg.teacher_top_k, max_seconds=args.train_seconds,
@@ -140,7 +147,8 @@ def main(argv=None):
     train_s = time.perf_counter() - t0
     head.eval()
     report = {
-        "config": asdict(cfg), "data": data["report"], "train_seconds": round(train_s, 1),
+        "config": asdict(cfg), "init": str(args.init.name) if args.init else None,
+        "data": data["report"], "train_seconds": round(train_s, 1),
         "steps": len(log), "final_loss": log[-1],
         "parameters": sum(p.numel() for p in head.parameters()),
         "acceptance": evaluate(lambda r, s: eagle.eagle_drafts(head, r, s), sets),

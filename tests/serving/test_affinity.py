@@ -25,7 +25,7 @@ def _replica_stats(deployment: str, calls: int = 24) -> dict[str, dict]:
     return {s["replica_id"]: s for s in stats}
 
 
-@pytest.mark.parametrize("drafter,k", [("model", 3), ("prompt_lookup", 5)])
+@pytest.mark.parametrize("drafter,k", [("model", 3), ("eagle", 3), ("prompt_lookup", 5)])
 def test_concurrent_streams_with_two_replicas_per_stage(client, reference, drafter, k):
     def run(prompt):
         chunks = list(client.stream(messages=[("user", prompt)], max_new_tokens=MAX_NEW_TOKENS, drafter=drafter,

@@ -25,7 +25,7 @@ def test_serve_generate_ctrl_c(tmp_path):
                               f"127.0.0.1:{port}", "--max-new-tokens", "16", "--k", "2"],
                              capture_output=True, text=True, timeout=120, env=env)
         assert out.returncode == 0, out.stderr
-        assert "Paris" in out.stdout and "drafter model, k=2" in out.stdout
+        assert "Paris" in out.stdout and "drafter eagle, k=2" in out.stdout  # the default pair ships an EAGLE head: the server default
         bad = subprocess.run([BIN / "splitspec", "generate", "hi", "--address", f"127.0.0.1:{port}", "--temperature", "-1"],
                              capture_output=True, text=True, timeout=60, env=env)
         assert bad.returncode == 1 and "INVALID_ARGUMENT" in bad.stderr

@@ -1,4 +1,4 @@
-"""Through gRPC, greedy output equals the target alone, for both drafters, k in {1, 3, 5} and speculation off."""
+"""Through gRPC, greedy output equals the target alone, for every drafter kind, k in {1, 3, 5} and speculation off."""
 
 import pytest
 
@@ -8,7 +8,7 @@ from tests.serving.conftest import MAX_NEW_TOKENS, PROMPTS, serving, make_config
 pytestmark = pytest.mark.slow
 
 POLICIES = [dict(speculate=False)] + [
-    dict(speculate=True, drafter=drafter, num_draft_tokens=k) for drafter in ("model", "prompt_lookup") for k in (1, 3, 5)
+    dict(speculate=True, drafter=drafter, num_draft_tokens=k) for drafter in ("model", "eagle", "prompt_lookup") for k in (1, 3, 5)
 ]
 
 
@@ -29,9 +29,10 @@ def test_greedy_equals_target_alone(client, reference, policy):
         assert response.usage.completion_tokens == len(response.token_ids)
 
 
-def test_stream_concatenates_to_unary_and_echoes_id(client):
+@pytest.mark.parametrize("drafter", ["model", "eagle"])
+def test_stream_concatenates_to_unary_and_echoes_id(client, drafter):
     for i, prompt in enumerate(PROMPTS[:4]):
-        kwargs = dict(messages=[("user", prompt)], max_new_tokens=MAX_NEW_TOKENS, num_draft_tokens=3)
+        kwargs = dict(messages=[("user", prompt)], max_new_tokens=MAX_NEW_TOKENS, num_draft_tokens=3, drafter=drafter)
         unary = client.generate(request_id=f"u-{i}", **kwargs)
         chunks = list(client.stream(request_id=f"s-{i}", **kwargs))
         assert unary.request_id == f"u-{i}" and {c.request_id for c in chunks} == {f"s-{i}"}
@@ -54,10 +55,11 @@ def test_stop_sequence_and_raw_prompt(client, target_info):
     assert raw.usage.prompt_tokens == len(target_info.tokenizer("The capital of France is")["input_ids"])
 
 
-def test_seeded_sampling_is_reproducible_through_the_graph(client):
+@pytest.mark.parametrize("drafter", ["model", "eagle"])
+def test_seeded_sampling_is_reproducible_through_the_graph(client, drafter):
     """temperature > 0 with a seed: the same request gives the same answer (random streams travel with the session)."""
     kwargs = dict(messages=[("user", PROMPTS[1])], max_new_tokens=MAX_NEW_TOKENS, temperature=0.8, top_p=0.95, seed=7,
-                  num_draft_tokens=3)
+                  num_draft_tokens=3, drafter=drafter)
     first, second = client.generate(**kwargs), client.generate(**kwargs)
     assert list(first.token_ids) == list(second.token_ids)
     assert first.speculation_stats.drafted > 0
