@@ -34,8 +34,9 @@ class Plan:
     max_new_tokens: int
     stop: list[str]
     speculate: bool
-    num_draft_tokens: int
+    num_draft_tokens: int  # k, or the largest k when adaptive
     drafter: str
+    adaptive: bool = False  # k picked per step by services.policy
     stats: SpeculationStats = field(default_factory=SpeculationStats)
     fallback: bool = False  # speculation was turned off mid-request after a draft-stage failure
 
@@ -64,6 +65,9 @@ def parse(request, config: AppConfig, tokenizer, *, max_context: int, vocab_size
     mode = policy.mode
     speculate = defaults.enabled if mode == pb.SpeculationPolicy.MODE_UNSPECIFIED else mode == pb.SpeculationPolicy.MODE_ON
     k = policy.num_draft_tokens or defaults.num_draft_tokens
+    adaptive = k == 0  # neither the request nor the config pins k
+    if adaptive:
+        k = defaults.max_draft_tokens
     validate_num_draft_tokens(int(k))
     drafter = policy.drafter or default_drafter
     if drafter not in drafters:
@@ -78,6 +82,7 @@ def parse(request, config: AppConfig, tokenizer, *, max_context: int, vocab_size
         speculate=speculate,
         num_draft_tokens=int(k),
         drafter=drafter,
+        adaptive=adaptive,
     )
 
 
@@ -92,6 +97,7 @@ def speculation_stats(plan: Plan) -> pb.SpeculationStats:
         drafter=plan.drafter if plan.speculate else "",
         num_draft_tokens=plan.num_draft_tokens if plan.speculate else 0,
         fell_back=plan.fallback,
+        adaptive=plan.speculate and plan.adaptive,
     )
 
 

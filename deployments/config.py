@@ -9,6 +9,7 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from services.draft import DRAFTERS
+from services.policy import DEFAULT_MAX_DRAFT_TOKENS
 from services.validation import MAX_DRAFT_TOKENS, MIN_DRAFT_TOKENS
 
 STAGES = ("prefill", "draft", "verify")
@@ -42,7 +43,13 @@ class StageConfig(_Strict):
 
 class SpeculationDefaults(_Strict):
     enabled: bool = Field(True, description="speculate unless a request turns it off")
-    num_draft_tokens: int = Field(1, ge=MIN_DRAFT_TOKENS, le=MAX_DRAFT_TOKENS, description="default k")
+    num_draft_tokens: int = Field(
+        0, ge=0, le=MAX_DRAFT_TOKENS,
+        description="default k; 0 = adaptive: k picked per step (0 included) from measured acceptance and costs",
+    )
+    max_draft_tokens: int = Field(
+        DEFAULT_MAX_DRAFT_TOKENS, ge=MIN_DRAFT_TOKENS, le=MAX_DRAFT_TOKENS, description="largest k the adaptive policy takes"
+    )
     drafter: str = Field(
         "", description=f"default drafter, one of {list(DRAFTERS)}; empty = eagle when the drafter folder has an EAGLE head, else model"
     )

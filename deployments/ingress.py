@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import deque
+from collections import defaultdict, deque
 from collections.abc import AsyncIterator
 
 import grpc
@@ -31,6 +31,7 @@ from services.draft import DRAFTERS, EAGLE_DRAFTER, FEATURE_DRAFTERS, MODEL_DRAF
 from services.errors import CapacityError, SessionNotFoundError
 from services.loading import check_tokenizers, describe
 from services.loop import StepOutput, finish_step
+from services.policy import AcceptanceCounts, AdaptiveK, CostModel
 from services.text import TextStream
 from splitspec.v1 import splitspec_pb2 as pb
 
@@ -78,6 +79,9 @@ class SpecDecodeIngress:
         self.unplaceable: dict[str, str] = {}
         self.handoffs: deque[dict] = deque(maxlen=RECENT_HANDOFFS)
         self.metrics = RequestMetrics()
+        # what the adaptive policy learns, per ingress replica: stage-call costs and each drafter's acceptance
+        self.costs = CostModel()
+        self.acceptance = defaultdict(AcceptanceCounts)
         self._check_placement()
         self._watchdog = asyncio.get_event_loop().create_task(self._watch_placement())
 
@@ -216,25 +220,37 @@ class SpecDecodeIngress:
             del handoff  # the last reference here: the object store frees the KV once the verifier holds it
             timer.ttft_ms = timer.ms()
             generated, step = 0, StepOutput([first_token])
-            accept = (0, first_token, None)  # the drafter continues from prefill's token
+            accepts = [(0, first_token, None)]  # verdicts the drafter has not seen: it continues from prefill's token
+            policy = AdaptiveK(self.costs, self.acceptance[plan.drafter], k_max=plan.num_draft_tokens) if plan.adaptive else None
             while True:
                 step, generated = finish_step(step, generated, plan.max_new_tokens, self.target.eos_token_ids)
                 yield step
                 if step.finish_reason:
                     return
-                k = min(plan.num_draft_tokens, plan.max_new_tokens - generated - 1) if draft and not plan.fallback else 0
-                # 3. draft k tokens (the drafter first rolls back to the last accepted token)
+                remaining = plan.max_new_tokens - generated
+                if not draft or plan.fallback:
+                    k = 0
+                else:
+                    k = policy.choose(remaining) if policy else min(plan.num_draft_tokens, remaining - 1)
+                # 3. draft k tokens (the drafter first catches up with the verdicts since its last proposal)
                 proposal = None
                 if k > 0:
+                    start = time.perf_counter()
                     try:
-                        proposal = await self._call("draft", draft.propose.remote(sid, k, accept))
+                        proposal = await self._call("draft", draft.propose.remote(sid, k, accepts))
+                        accepts = []
+                        self.costs.observe_propose(k, time.perf_counter() - start)
                     except Exception as exc:  # noqa: BLE001 - go on with the target alone
                         self._fall_back(plan, exc, "propose")
                 draft_ids = proposal.token_ids if proposal else []
                 # 4. verify them in one target pass
+                start = time.perf_counter()
                 verdict = await self._call("verify", verify.verify.remote(sid, draft_ids, proposal.probs if proposal else None))
+                self.costs.observe_verify(len(draft_ids) + 1, time.perf_counter() - start)
+                if policy is not None:
+                    policy.observe(len(draft_ids), verdict.n_matches)
                 # 5. accept: emit the accepted tokens + the recovered or bonus token
-                accept = (verdict.n_matches, verdict.token_ids[-1], verdict.features)
+                accepts.append((verdict.n_matches, verdict.token_ids[-1], verdict.features))
                 step = StepOutput(verdict.token_ids, len(draft_ids), verdict.n_matches, verdict.accepted)
                 plan.stats.add(step)
         finally:

@@ -157,10 +157,10 @@ class Draft(_Stage):
         self.opened += 1
         return SessionOpened(*_identity())
 
-    async def propose(self, request_id: str, k: int, accept: tuple | None = None) -> DraftProposal:
-        """Accept the last verdict (``(n_matches, next_token[, features])``: roll back to it), then draft k tokens."""
+    async def propose(self, request_id: str, k: int, accepts: list[tuple] = ()) -> DraftProposal:
+        """Accept the verdicts since the last proposal (each ``(n_matches, next_token, features)``), then draft k tokens."""
         def step():
-            if accept is not None:
+            for accept in accepts:
                 self.engine.accept(request_id, *accept)
             return self.engine.propose(request_id, k)
 

@@ -97,8 +97,7 @@ class EagleDraftSession:
     def propose(self, k: int):
         from services.draft import DraftProposal
 
-        if self.next_logits is None:
-            raise InvalidRequestError("the EAGLE drafter has no accepted features yet: accept a verdict before proposing")
+        self._catch_up()
         kept = self.head.kept_ids
         logits, token_ids, q_rows = self.next_logits, [], []
         self.state.chain_len = 0  # a new chain from the accepted context
@@ -116,7 +115,10 @@ class EagleDraftSession:
         return DraftProposal(token_ids, None if self.params.greedy else torch.stack(q_rows))  # q: [k, vocab_size]
 
     def accept(self, n_matches: int, next_token: int, features: torch.Tensor | None = None) -> None:
-        """Keep n_matches drafts and the target's token; ``features`` [n_matches + 1, hidden] are the verdict's."""
+        """Keep n_matches drafts and the target's token; ``features`` [n_matches + 1, hidden] are the verdict's.
+
+        Only bookkeeping: the head reads the new positions at the next ``propose`` (steps without drafting cost nothing).
+        """
         from services.draft import _check_accept
 
         self.tokens += _check_accept(self.proposal, n_matches) + [int(next_token)]
@@ -125,10 +127,19 @@ class EagleDraftSession:
             if features.shape[0] != n_matches + 1:
                 raise InvalidRequestError(f"got features of {features.shape[0]} positions for {n_matches} accepted tokens + 1")
             self.unpaired = torch.cat([self.unpaired, features.to(self.unpaired.dtype)])
-        m = self.unpaired.shape[0]
-        if m == 0:
+        elif self.next_logits is not None or self.state.length + self.unpaired.shape[0] < len(self.tokens) - 1:
             raise InvalidRequestError("the EAGLE drafter needs the target's features of the accepted tokens")
-        # pair feature f_t with token x_{t+1}: the last m accepted tokens
+        self.next_logits = None
+
+    def _catch_up(self) -> None:
+        """Extend the head over the accepted positions it has not read: feature f_t with token x_{t+1}."""
+        if self.next_logits is not None:
+            return
+        m = self.unpaired.shape[0]
+        if self.state.length + m > len(self.tokens) - 1:  # features of a position whose next token is not known
+            raise InvalidRequestError("the EAGLE drafter has not been told the token after the prompt: accept a verdict before proposing")
+        if m == 0 or self.state.length + m < len(self.tokens) - 1:
+            raise InvalidRequestError("the EAGLE drafter needs the target's features of every accepted token")
         self.next_logits = self.state.extend_logits(self.unpaired, torch.tensor(self.tokens[-m:]))
         self.unpaired = self.unpaired[:0]
 

@@ -7,11 +7,13 @@ stage names.
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from services.draft import FEATURE_DRAFTERS, MODEL_DRAFTER, DraftEngine
+from services.policy import AdaptiveK
 from services.prefill import PrefillEngine
 from services.sampling import SamplingParams
 from services.validation import validate_max_new_tokens, validate_num_draft_tokens, validate_prompt
@@ -77,8 +79,13 @@ def speculative_decode(
     params: SamplingParams,
     drafter: str = MODEL_DRAFTER,
     request_id: str | None = None,
+    policy: AdaptiveK | None = None,
 ) -> Iterator[StepOutput]:
-    """Yield each step's new tokens until EOS or ``max_new_tokens``. ``draft=None`` turns speculation off."""
+    """Yield each step's new tokens until EOS or ``max_new_tokens``. ``draft=None`` turns speculation off.
+
+    ``policy`` picks k for every step (0 included; services.policy) from the costs it measures here;
+    without one, k is ``num_draft_tokens`` throughout.
+    """
     request_id = request_id or uuid.uuid4().hex
     target = prefill.target
     params.validate()
@@ -105,12 +112,24 @@ def speculative_decode(
             if step.finish_reason:
                 return
             remaining = max_new_tokens - generated
-            k = min(num_draft_tokens, remaining - 1) if draft is not None else 0
+            if draft is None:
+                k = 0
+            elif policy is not None:
+                k = policy.choose(remaining)
+            else:
+                k = min(num_draft_tokens, remaining - 1)
             # 3. draft k tokens
+            start = time.perf_counter()
             proposal = draft.propose(request_id, k) if k > 0 else None
+            proposed = time.perf_counter()
             draft_ids = proposal.token_ids if proposal else []
             # 4. verify them in one target pass
             verdict = verify.verify(request_id, draft_ids, proposal.probs if proposal else None)
+            if policy is not None:
+                if k > 0:
+                    policy.costs.observe_propose(k, proposed - start)
+                policy.costs.observe_verify(len(draft_ids) + 1, time.perf_counter() - proposed)
+                policy.observe(len(draft_ids), verdict.n_matches)
             # 5. accept: roll the drafter back to the accepted prefix
             if draft is not None:
                 draft.accept(request_id, verdict.n_matches, verdict.token_ids[-1], verdict.features)  # n_matches is 0 without a proposal

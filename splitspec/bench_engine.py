@@ -25,11 +25,13 @@ from services.loading import LoadedModel
 from services.loop import GenerationResult, SpeculationStats, generate, speculative_decode
 from services.models.distill import chat_ids
 from services.models.prompts import held_out_prompts
+from services.policy import AcceptanceCounts, AdaptiveK, CostModel
 from services.prefill import PrefillEngine
 from services.sampling import SamplingParams
 from services.verify import VerifyEngine
 
 logger = logging.getLogger(__name__)
+ADAPTIVE = 0  # the k of a row whose k the adaptive policy picks per step (services.policy)
 
 
 @dataclass
@@ -161,15 +163,16 @@ def run(
         _timed(own_arm, lambda: generate(prefill, None, verify, ids, max_new_tokens=max_new_tokens, num_draft_tokens=1, params=greedy).token_ids)
     progress(f"{target_arm.name}: {target_arm.tok_s:.2f} tok/s; {own_arm.name}: {own_arm.tok_s:.2f} tok/s")
     learned = [d for d in (MODEL_DRAFTER, EAGLE_DRAFTER) if d in draft_engine.drafters]  # drafters with a model
-    configs = [(d, k) for d in learned for k in ks] + [(PROMPT_LOOKUP_DRAFTER, prompt_lookup_k)]
+    configs = [(d, k) for d in learned for k in ks] + [(d, ADAPTIVE) for d in learned] + [(PROMPT_LOOKUP_DRAFTER, prompt_lookup_k)]
+    policy_costs, policy_prior = CostModel(), defaultdict(AcceptanceCounts)  # what the adaptive rows learn, as an ingress would
     runs, traces = [], []
     for drafter, k in configs:
         hf_arm, ours = Arm("transformers assisted"), Arm("splitspec loop")
         identical, drafted, accepted, steps, trace = True, 0, 0, 0, []
         drafts.drafter = drafter
         for ids, ref in zip(prompts, references):
-            if drafter == EAGLE_DRAFTER:
-                hf_kwargs = None  # transformers has no EAGLE heads
+            if drafter == EAGLE_DRAFTER or k == ADAPTIVE:
+                hf_kwargs = None  # transformers has no EAGLE heads, and no adaptive k of this kind
             elif drafter == MODEL_DRAFTER:
                 draft.model.generation_config.num_assistant_tokens = k
                 draft.model.generation_config.num_assistant_tokens_schedule = "constant"
@@ -183,7 +186,9 @@ def run(
 
             def ours_fn():
                 nonlocal result
-                result = _traced_generate(prefill, drafts, verify, ids, max_new_tokens=max_new_tokens, num_draft_tokens=k, params=greedy, drafter=drafter)
+                policy = AdaptiveK(policy_costs, policy_prior[drafter], k_max=max(ks)) if k == ADAPTIVE else None
+                result = _traced_generate(prefill, drafts, verify, ids, max_new_tokens=max_new_tokens, num_draft_tokens=k or max(ks),
+                                          params=greedy, drafter=drafter, policy=policy)
                 return result.token_ids
 
             tokens = _timed(ours, ours_fn)
@@ -196,7 +201,7 @@ def run(
         mean_len = (accepted + steps) / steps if steps else 0.0
         row = {
             "drafter": drafter,
-            "k": k,
+            "k": "adaptive" if k == ADAPTIVE else k,
             "hf_assisted_tok_s": round(hf_arm.tok_s, 3) if hf_arm.seconds else None,
             "splitspec_tok_s": round(ours.tok_s, 3),
             "ratio_vs_target": round(ours.tok_s / target_arm.tok_s, 3),
@@ -210,7 +215,7 @@ def run(
         traces.append((ours, trace))
         hf = f", {row['ratio_vs_hf_assisted']:.2f}x HF assisted {hf_arm.tok_s:.2f}" if hf_arm.seconds else ""
         progress(
-            f"{drafter:13s} k={k}: splitspec {ours.tok_s:6.2f} tok/s ({row['ratio_vs_target']:.2f}x target, "
+            f"{drafter:13s} k={row['k']}: splitspec {ours.tok_s:6.2f} tok/s ({row['ratio_vs_target']:.2f}x target, "
             f"{row['ratio_vs_splitspec_off']:.2f}x splitspec off{hf}), acceptance {alpha:.1%}, "
             f"mean accepted length {mean_len:.2f}, identical={identical}"
         )

@@ -14,14 +14,29 @@ from splitspec.client import SpecDecodeClient
 
 POLICIES = {
     "off": dict(speculate=False),
+    "server default": dict(),  # adaptive k with the server's default drafter, unless its config pins them
     "model k=1": dict(speculate=True, drafter="model", num_draft_tokens=1),
     "model k=2": dict(speculate=True, drafter="model", num_draft_tokens=2),
+    "eagle k=1": dict(speculate=True, drafter="eagle", num_draft_tokens=1),
+    "eagle k=2": dict(speculate=True, drafter="eagle", num_draft_tokens=2),
+    "eagle k=3": dict(speculate=True, drafter="eagle", num_draft_tokens=3),
     "prompt_lookup k=3": dict(speculate=True, drafter="prompt_lookup", num_draft_tokens=3),
 }
+PROMPT_SETS = ("held_out", "everyday")
 
 
-def run(client: SpecDecodeClient, *, num_prompts: int = 8, max_new_tokens: int = 64, warmup: int = 1) -> dict:
-    prompts = held_out_prompts()[:num_prompts]
+def prompts_of(prompt_set: str) -> list[str]:
+    """The drafter's held-out prompts (services.models.prompts), or everyday assistant requests (prompt_bank)."""
+    if prompt_set == "everyday":
+        from services.models.prompt_bank import everyday_prompts
+
+        return [p for _, p in everyday_prompts()]
+    return held_out_prompts()
+
+
+def run(client: SpecDecodeClient, *, num_prompts: int = 8, max_new_tokens: int = 64, warmup: int = 1,
+        prompt_set: str = "held_out") -> dict:
+    prompts = prompts_of(prompt_set)[:num_prompts]
     for policy in POLICIES.values():  # warm every stage and kernel before timing
         for prompt in prompts[:warmup]:
             client.generate(messages=[("user", prompt)], max_new_tokens=8, **policy)
@@ -40,7 +55,7 @@ def run(client: SpecDecodeClient, *, num_prompts: int = 8, max_new_tokens: int =
             t["steps"] += s.steps
             t["ttft_ms"].append(response.timings.ttft_ms)
             answers[name].append(list(response.token_ids))
-    report = {"prompts": num_prompts, "max_new_tokens": max_new_tokens, "policies": {}}
+    report = {"prompts": len(prompts), "prompt_set": prompt_set, "max_new_tokens": max_new_tokens, "policies": {}}
     off = totals["off"]["tokens"] / totals["off"]["seconds"]
     for name, t in totals.items():
         tok_s = t["tokens"] / t["seconds"]

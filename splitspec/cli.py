@@ -73,9 +73,10 @@ def _write_report(args, report: dict) -> int:
 
 
 def cmd_generate_local(args) -> int:
-    from services.draft import DraftEngine
+    from services.draft import EAGLE_DRAFTER, MODEL_DRAFTER, DraftEngine
     from services.eagle_draft import installed_head
     from services.loop import speculative_decode
+    from services.policy import DEFAULT_MAX_DRAFT_TOKENS, AdaptiveK, CostModel
     from services.models.distill import chat_ids
     from services.prefill import PrefillEngine
     from services.sampling import SamplingParams
@@ -83,13 +84,15 @@ def cmd_generate_local(args) -> int:
 
     target, draft = _load_pair(args)
     ids = chat_ids(target.tokenizer, args.prompt)
-    k = 1 if args.k is None else args.k
     params = SamplingParams(temperature=args.temperature, top_p=1.0 if args.top_p is None else args.top_p,
                             top_k=args.top_k, seed=args.seed)
-    engines = PrefillEngine(target), (DraftEngine(draft, eagle_head=installed_head(draft, target)) if k > 0 else None), VerifyEngine(target)
+    draft_engine = DraftEngine(draft, eagle_head=installed_head(draft, target)) if args.k != 0 else None
+    drafter = args.drafter or (EAGLE_DRAFTER if draft_engine and EAGLE_DRAFTER in draft_engine.drafters else MODEL_DRAFTER)
+    policy = AdaptiveK(CostModel()) if args.k is None else None  # no --k: adaptive, as the server's default
+    engines = PrefillEngine(target), draft_engine, VerifyEngine(target)
     tokens, drafted, accepted = [], 0, 0
-    for step in speculative_decode(*engines, ids, max_new_tokens=args.max_new_tokens, num_draft_tokens=max(k, 1),
-                                   params=params, drafter=args.drafter or "model"):
+    for step in speculative_decode(*engines, ids, max_new_tokens=args.max_new_tokens, num_draft_tokens=args.k or DEFAULT_MAX_DRAFT_TOKENS,
+                                   params=params, drafter=drafter, policy=policy):
         before = target.tokenizer.decode(tokens, skip_special_tokens=True)
         tokens += step.token_ids
         sys.stdout.write(target.tokenizer.decode(tokens, skip_special_tokens=True)[len(before):])
@@ -196,7 +199,8 @@ def cmd_generate(args) -> int:
             return 1
     s, t = last.speculation_stats, last.timings
     rate = s.accepted / s.drafted if s.drafted else 0.0
-    mode = f"drafter {s.drafter}, k={s.num_draft_tokens}" if s.enabled else "speculation off"
+    k = f"adaptive k <= {s.num_draft_tokens}" if s.adaptive else f"k={s.num_draft_tokens}"
+    mode = f"drafter {s.drafter}, {k}" if s.enabled else "speculation off"
     print(f"\n\n[{last.usage.completion_tokens} tokens in {t.total_ms / 1000:.2f}s; {mode}; steps {s.steps}, "
           f"drafted {s.drafted}, accepted {s.accepted} ({rate:.0%}); ttft {t.ttft_ms:.0f} ms, "
           f"KV handoff {t.kv_handoff_ms:.1f} ms]")
@@ -210,22 +214,23 @@ def cmd_bench_grpc(args) -> int:
     local = None
     address = args.address
     if not address:
-        from deployments.config import AppConfig
         from services.models import default_pair
 
+        config = _load_config(args.config)  # the built-in defaults without --config
         default_pair.prepare()
         local = cluster.LocalCluster(nodes=args.nodes, dashboard=False, log_to_driver=False).start()
         port = args.grpc_port
         cluster.start_serve(port)
-        cluster.deploy(cluster.placements_for(args.nodes, AppConfig()))
+        cluster.deploy(cluster.placements_for(args.nodes, config))
         address = f"127.0.0.1:{port}"
     try:
         with SpecDecodeClient(address) as client:
-            report = bench_grpc.run(client, num_prompts=args.prompts, max_new_tokens=args.max_new_tokens)
+            report = bench_grpc.run(client, num_prompts=args.prompts, max_new_tokens=args.max_new_tokens,
+                                    prompt_set=args.prompt_set)
     finally:
         if local is not None:
             local.stop()
-    print(f"\ngRPC, single stream, greedy, {report['prompts']} held-out prompts x {report['max_new_tokens']} tokens:")
+    print(f"\ngRPC, single stream, greedy, {report['prompts']} {report['prompt_set']} prompts x {report['max_new_tokens']} tokens:")
     for name, r in report["policies"].items():
         acc = "" if r["acceptance_rate"] is None else f", acceptance {r['acceptance_rate']:.1%}, mean accepted length {r['mean_accepted_length']:.2f}"
         print(f"  {name:<18} {r['tok_s']:6.2f} tok/s = {r['ratio_vs_off']:.2f}x off; median ttft {r['median_ttft_ms']:.0f} ms{acc}")
@@ -285,6 +290,8 @@ def build_parser() -> argparse.ArgumentParser:
     grpc_bench.add_argument("--config", help="app config YAML of the local service (default: the built-in defaults)")
     grpc_bench.add_argument("--grpc-port", type=int, default=9100)
     grpc_bench.add_argument("--prompts", type=int, default=8)
+    grpc_bench.add_argument("--prompt-set", choices=["held_out", "everyday"], default="held_out",
+                            help="held-out subjects of the drafter's training prompts, or everyday assistant requests")
     grpc_bench.add_argument("--max-new-tokens", type=int, default=64)
     grpc_bench.add_argument("--json", help="also write the report as JSON here")
     grpc_bench.set_defaults(fn=cmd_bench_grpc)

@@ -101,7 +101,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
 
 class SpeculationStats(_message.Message):
-    __slots__ = ("steps", "drafted", "accepted", "accepted_per_position", "enabled", "drafter", "num_draft_tokens", "fell_back")
+    __slots__ = ("steps", "drafted", "accepted", "accepted_per_position", "enabled", "drafter", "num_draft_tokens", "fell_back", "adaptive")
     STEPS_FIELD_NUMBER: _ClassVar[int]
     DRAFTED_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
@@ -110,6 +110,7 @@ class SpeculationStats(_message.Message):
     DRAFTER_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FELL_BACK_FIELD_NUMBER: _ClassVar[int]
+    ADAPTIVE_FIELD_NUMBER: _ClassVar[int]
     steps: int
     drafted: int
     accepted: int
@@ -118,7 +119,8 @@ class SpeculationStats(_message.Message):
     drafter: str
     num_draft_tokens: int
     fell_back: bool
-    def __init__(self, steps: _Optional[int] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., enabled: _Optional[bool] = ..., drafter: _Optional[str] = ..., num_draft_tokens: _Optional[int] = ..., fell_back: _Optional[bool] = ...) -> None: ...
+    adaptive: bool
+    def __init__(self, steps: _Optional[int] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., enabled: _Optional[bool] = ..., drafter: _Optional[str] = ..., num_draft_tokens: _Optional[int] = ..., fell_back: _Optional[bool] = ..., adaptive: _Optional[bool] = ...) -> None: ...
 
 class Timings(_message.Message):
     __slots__ = ("ttft_ms", "total_ms", "prefill_ms", "kv_handoff_ms")

@@ -25,7 +25,8 @@ def test_shipped_configs_validate(name):
 
 @pytest.mark.parametrize("bad", [
     {"speculation": {"drafter": "oracle"}},
-    {"speculation": {"num_draft_tokens": 0}},
+    {"speculation": {"num_draft_tokens": -1}},  # 0 is valid: adaptive k
+    {"speculation": {"max_draft_tokens": 0}},
     {"stages": {"verify": {"num_replicas": 0}}},
     {"limits": {"max_new_tokens": 8, "default_max_new_tokens": 16}},
     {"unknown_field": 1},

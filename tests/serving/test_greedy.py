@@ -8,8 +8,8 @@ from tests.serving.conftest import MAX_NEW_TOKENS, PROMPTS, serving, make_config
 pytestmark = pytest.mark.slow
 
 POLICIES = [dict(speculate=False)] + [
-    dict(speculate=True, drafter=drafter, num_draft_tokens=k) for drafter in ("model", "eagle", "prompt_lookup") for k in (1, 3, 5)
-]
+    dict(speculate=True, drafter=drafter, num_draft_tokens=k) for drafter in ("model", "eagle", "prompt_lookup") for k in (0, 1, 3, 5)
+]  # k = 0: the server's adaptive k
 
 
 @pytest.fixture(scope="module")
@@ -25,6 +25,7 @@ def test_greedy_equals_target_alone(client, reference, policy):
         assert list(response.token_ids) == reference(prompt), prompt
         stats = response.speculation_stats
         assert stats.enabled == policy["speculate"]
+        assert stats.adaptive == (policy["speculate"] and policy["num_draft_tokens"] == 0)
         assert stats.accepted <= stats.drafted
         assert response.usage.completion_tokens == len(response.token_ids)
 
@@ -74,3 +75,10 @@ def test_server_reflection_lists_the_service(client):
     stub = reflection_pb2_grpc.ServerReflectionStub(client.channel)
     answer = next(iter(stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))))
     assert "splitspec.v1.SpecDecode" in [s.name for s in answer.list_services_response.service]
+
+
+def test_server_default_is_adaptive_with_the_eagle_drafter(client, reference):
+    response = client.generate(messages=[("user", PROMPTS[0])], max_new_tokens=MAX_NEW_TOKENS)
+    assert list(response.token_ids) == reference(PROMPTS[0])
+    stats = response.speculation_stats
+    assert stats.enabled and stats.adaptive and stats.drafter == "eagle" and stats.num_draft_tokens == 4

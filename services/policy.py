@@ -1,0 +1,144 @@
+"""Adaptive speculation: pick k for every verify step, 0 (no drafting) included, from one cost model.
+
+With per-position conditional acceptance a_1 .. a_k, a step that drafts k
+tokens emits on average
+
+    E(k) = 1 + a_1 + a_1 a_2 + ... + a_1 ... a_k          tokens
+
+and costs, as the driver measures it (seconds, moving averages),
+
+    T(k) = verify(k + 1) + [k > 0] propose(k)
+
+where ``propose`` includes whatever the driver pays to reach the drafter (a
+Ray call in the graph, nothing in-process). The policy takes the k in
+0 .. k_max with the most tokens per second, E(k) / T(k); speculating must
+beat k = 0 by ``margin`` (so that measurement noise does not make the default
+slower than speculation off). While it sits at k = 0 it probes k = 1 every
+``probe_every`` steps, so a request whose text turns predictable gets
+speculation back. A request's acceptance starts from the driver's running
+estimate over earlier requests (``AcceptanceCounts`` with a prior weight);
+unknown costs are extrapolated from the nearest measured ones.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+EMA_WEIGHT = 0.2  # weight of a new measurement in the moving averages
+VERIFY_GROWTH = 0.2  # prior: each extra token scored costs 20% of a one-token pass (CPU, small models)
+PRIOR_RATE = 0.5  # acceptance assumed at a position nobody has measured
+PRIOR_WEIGHT = 8.0  # how many steps the prior counts for, against a request's own
+DEFAULT_MAX_DRAFT_TOKENS = 4
+DEFAULT_MARGIN = 0.05
+DEFAULT_PROBE_EVERY = 16
+
+
+@dataclass
+class AcceptanceCounts:
+    """Per draft position j: steps that drafted at least j + 1 tokens, and of those, accepted position j."""
+
+    reached: list[int] = field(default_factory=list)
+    accepted: list[int] = field(default_factory=list)
+
+    def add(self, n_drafted: int, n_matches: int) -> None:
+        while len(self.reached) < n_drafted:
+            self.reached.append(0)
+            self.accepted.append(0)
+        for j in range(n_drafted):
+            self.reached[j] += 1
+            self.accepted[j] += int(j < n_matches)
+
+    def rate(self, j: int, prior: "AcceptanceCounts | None" = None) -> float:
+        """Conditional acceptance at position j, shrunk toward the prior's (itself toward PRIOR_RATE)."""
+        prior_rate = prior.rate(j) if prior is not None else PRIOR_RATE
+        reached = self.reached[j] if j < len(self.reached) else 0
+        accepted = self.accepted[j] if j < len(self.accepted) else 0
+        return (accepted + PRIOR_WEIGHT * prior_rate) / (reached + PRIOR_WEIGHT)
+
+
+@dataclass
+class CostModel:
+    """Moving averages of what a driver measured: verify passes by tokens scored, proposals by k."""
+
+    verify_s: dict[int, float] = field(default_factory=dict)
+    propose_s: dict[int, float] = field(default_factory=dict)
+
+    def observe_verify(self, tokens: int, seconds: float) -> None:
+        _ema(self.verify_s, tokens, seconds)
+
+    def observe_propose(self, k: int, seconds: float) -> None:
+        _ema(self.propose_s, k, seconds)
+
+    def verify(self, tokens: int) -> float | None:
+        if tokens in self.verify_s:
+            return self.verify_s[tokens]
+        if not self.verify_s:
+            return None
+        near = min(self.verify_s, key=lambda n: abs(n - tokens))
+        return self.verify_s[near] * (1 + VERIFY_GROWTH * (tokens - 1)) / (1 + VERIFY_GROWTH * (near - 1))
+
+    def propose(self, k: int) -> float | None:
+        if k in self.propose_s:
+            return self.propose_s[k]
+        if not self.propose_s:
+            return None
+        near = min(self.propose_s, key=lambda m: abs(m - k))
+        return self.propose_s[near] * k / near  # hop + k draft tokens: linear in k is pessimistic for k > near
+
+    def step(self, k: int) -> float | None:
+        """T(k): seconds of a step that drafts k tokens."""
+        verify = self.verify(k + 1)
+        if k == 0 or verify is None:
+            return verify
+        propose = self.propose(k)
+        return None if propose is None else verify + propose
+
+
+def expected_tokens(rates: list[float]) -> list[float]:
+    """E(k) for k = 0 .. len(rates) from conditional acceptance rates a_1 .. a_K."""
+    out, reach, total = [1.0], 1.0, 1.0
+    for a in rates:
+        reach *= a
+        total += reach
+        out.append(total)
+    return out
+
+
+@dataclass
+class AdaptiveK:
+    """One request's choice of k, step by step (the driver calls ``choose`` before and ``observe`` after a step)."""
+
+    costs: CostModel  # the driver's, shared across its requests
+    prior: AcceptanceCounts | None = None  # the driver's acceptance over earlier requests of this drafter
+    k_max: int = DEFAULT_MAX_DRAFT_TOKENS
+    margin: float = DEFAULT_MARGIN
+    probe_every: int = DEFAULT_PROBE_EVERY
+    counts: AcceptanceCounts = field(default_factory=AcceptanceCounts)
+    steps_without_drafting: int = 0
+
+    def choose(self, remaining: int) -> int:
+        """k for the next step (at most ``remaining - 1``: the step's own token is always emitted)."""
+        k_max = min(self.k_max, remaining - 1)
+        if k_max <= 0:
+            return 0
+        if self.costs.step(1) is None:  # nothing measured yet: speculate once to learn the costs
+            return 1
+        gains = expected_tokens([self.counts.rate(j, self.prior) for j in range(k_max)])
+        rate = {k: gains[k] / t for k in range(k_max + 1) if (t := self.costs.step(k)) is not None}
+        best = max(rate, key=rate.get)
+        if best > 0 and rate[best] >= rate[0] * (1 + self.margin):
+            return best
+        if self.steps_without_drafting + 1 >= self.probe_every:
+            return 1  # probe: the text may have turned predictable
+        return 0
+
+    def observe(self, n_drafted: int, n_matches: int) -> None:
+        self.counts.add(n_drafted, n_matches)
+        if self.prior is not None:
+            self.prior.add(n_drafted, n_matches)
+        self.steps_without_drafting = 0 if n_drafted else self.steps_without_drafting + 1
+
+
+def _ema(averages: dict[int, float], key: int, value: float) -> None:
+    old = averages.get(key)
+    averages[key] = value if old is None else (1 - EMA_WEIGHT) * old + EMA_WEIGHT * value

@@ -1,0 +1,119 @@
+"""Adaptive speculation: the cost model's choices, and losslessness whatever k each step takes (0 included)."""
+
+import itertools
+
+import pytest
+import torch
+
+from services.draft import DraftEngine
+from services.loop import generate
+from services.models import eagle
+from services.policy import AcceptanceCounts, AdaptiveK, CostModel, expected_tokens
+from services.sampling import SamplingParams
+from tests.conftest import greedy_reference
+from tests.services.test_engine import NEW_TOKENS, PROMPTS
+
+
+def costs(verify_1: float, verify_growth: float, propose_per_token: float, hop: float = 0.0) -> CostModel:
+    model = CostModel()
+    for n in range(1, 7):
+        model.observe_verify(n, verify_1 * (1 + verify_growth * (n - 1)))
+    for k in range(1, 6):
+        model.observe_propose(k, hop + k * propose_per_token)
+    return model
+
+
+def counts(rates: list[float], steps: int = 1000) -> AcceptanceCounts:
+    return AcceptanceCounts(reached=[steps] * len(rates), accepted=[round(steps * r) for r in rates])
+
+
+def test_expected_tokens():
+    assert expected_tokens([]) == [1.0]
+    assert expected_tokens([0.5, 0.5]) == pytest.approx([1.0, 1.5, 1.75])
+
+
+def test_low_acceptance_or_costly_drafts_turn_speculation_off():
+    policy = AdaptiveK(costs(40e-3, 0.2, 6e-3, hop=3e-3), counts=counts([0.15, 0.1, 0.05, 0.02]))
+    assert policy.choose(remaining=100) == 0
+
+
+def test_high_acceptance_and_cheap_drafts_draft_several():
+    policy = AdaptiveK(costs(40e-3, 0.1, 1e-3), counts=counts([0.9, 0.85, 0.8, 0.8]))
+    assert policy.choose(remaining=100) >= 3
+    assert policy.choose(remaining=2) == 1  # never more than the budget leaves
+    assert policy.choose(remaining=1) == 0
+
+
+def test_margin_keeps_a_marginal_gain_off():
+    """Speculation that would win by less than the margin is not taken (noise must not make it slower than off)."""
+    # k = 1: E = 1.2 tokens for 40 * 1.1 + 4 = 48 ms -> 25.0 tok/s vs off 25.0 tok/s
+    policy = AdaptiveK(costs(40e-3, 0.1, 4e-3), counts=counts([0.2]), k_max=1)
+    assert policy.choose(remaining=100) == 0
+
+
+def test_off_probes_every_so_often_and_learns_from_requests():
+    policy = AdaptiveK(costs(40e-3, 0.2, 6e-3, hop=3e-3), prior=AcceptanceCounts(), counts=counts([0.1, 0.05]), probe_every=4)
+    choices = []
+    for _ in range(8):
+        k = policy.choose(remaining=100)
+        choices.append(k)
+        policy.observe(k, 0)
+    assert choices == [0, 0, 0, 1, 0, 0, 0, 1]
+    assert policy.prior.reached[0] == 2  # the driver's estimate for later requests saw the probes
+
+
+def test_first_step_measures_when_nothing_is_known():
+    assert AdaptiveK(CostModel()).choose(remaining=10) == 1
+
+
+def test_unmeasured_costs_are_extrapolated():
+    model = CostModel()
+    model.observe_verify(1, 40e-3)
+    model.observe_propose(2, 10e-3)
+    assert model.verify(3) == pytest.approx(40e-3 * 1.4)
+    assert model.propose(4) == pytest.approx(20e-3)
+    assert model.step(0) == pytest.approx(40e-3)
+
+
+class Scripted(AdaptiveK):
+    """k from a fixed cycle (still bounded by the budget): every pattern of drafting and not drafting, reproducibly."""
+
+    def __init__(self, pattern):
+        super().__init__(CostModel())
+        self.pattern = itertools.cycle(pattern)
+
+    def choose(self, remaining: int) -> int:
+        return min(next(self.pattern), remaining - 1)
+
+
+@pytest.fixture(scope="module")
+def engines(tiny, tiny_engines):
+    target, draft = tiny
+    torch.manual_seed(3)
+    head = eagle.EagleHead(target.model, eagle.EagleConfig(draft_vocab=64), torch.arange(64), target.config.hidden_size)
+    prefill, _, verify = tiny_engines
+    return prefill, DraftEngine(draft, eagle_head=head.eval()), verify
+
+
+@pytest.mark.parametrize("drafter", ["model", "eagle", "prompt_lookup"])
+@pytest.mark.parametrize("pattern", [[0, 0, 3, 0, 1, 2], [0, 0, 0, 0, 0, 4], [5, 0]])
+def test_greedy_equals_target_alone_whatever_k_each_step_takes(tiny, engines, drafter, pattern):
+    target, _ = tiny
+    prefill, draft, verify = engines
+    for prompt in PROMPTS[:4]:
+        result = generate(prefill, draft, verify, prompt, max_new_tokens=NEW_TOKENS, num_draft_tokens=5,
+                          params=SamplingParams(), drafter=drafter, policy=Scripted(pattern))
+        assert result.token_ids == greedy_reference(target.model, prompt, NEW_TOKENS), f"prompt {prompt}"
+
+
+def test_adaptive_policy_is_lossless_and_measures(tiny, engines):
+    target, _ = tiny
+    prefill, draft, verify = engines
+    policy = AdaptiveK(CostModel(), prior=AcceptanceCounts())
+    for prompt in PROMPTS:
+        policy = AdaptiveK(policy.costs, prior=policy.prior)
+        result = generate(prefill, draft, verify, prompt, max_new_tokens=NEW_TOKENS, num_draft_tokens=4,
+                          params=SamplingParams(), drafter="model", policy=policy)
+        assert result.token_ids == greedy_reference(target.model, prompt, NEW_TOKENS)
+    assert 1 in policy.costs.verify_s and 1 in policy.costs.propose_s
+    assert sum(policy.prior.reached) > 0
