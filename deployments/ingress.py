@@ -80,7 +80,7 @@ class SpecDecodeIngress:
         self.handoffs: deque[dict] = deque(maxlen=RECENT_HANDOFFS)
         self.metrics = RequestMetrics()
         # what the adaptive policy learns, per ingress replica: stage-call costs and each drafter's acceptance
-        self.costs = CostModel()
+        self.costs = defaultdict(CostModel)
         self.acceptance = defaultdict(AcceptanceCounts)
         self._check_placement()
         self._watchdog = asyncio.get_event_loop().create_task(self._watch_placement())
@@ -198,13 +198,14 @@ class SpecDecodeIngress:
             timer.prefill_ms = timer.ms()
             if features and not plan.fallback:
                 started = self.draft.start.remote(sid, plan.prompt_ids, params, plan.drafter, handoff)
+            # 2. hand the verifier the KV *reference*; it resolves the bytes from the object store (while the draft starts)
+            opening = self.verify.open.remote(sid, handoff, params, features)
             if started is not None:
                 try:
                     draft = self.draft.options(session_id=pin((await self._call("draft", started)).replica_id))
                 except Exception as exc:  # noqa: BLE001 - go on with the target alone
                     self._fall_back(plan, exc, "start")
-            # 2. hand the verifier the KV *reference*; it resolves the bytes from the object store
-            opened = await self._call("verify", self.verify.open.remote(sid, handoff, params, features))
+            opened = await self._call("verify", opening)
             verify = self.verify.options(session_id=pin(opened.replica_id))
             timer.kv_handoff_ms = opened.handoff_ms
             self.metrics.kv_handoff(opened.resolved_bytes, opened.handoff_ms / 1000)
@@ -221,7 +222,8 @@ class SpecDecodeIngress:
             timer.ttft_ms = timer.ms()
             generated, step = 0, StepOutput([first_token])
             accepts = [(0, first_token, None)]  # verdicts the drafter has not seen: it continues from prefill's token
-            policy = AdaptiveK(self.costs, self.acceptance[plan.drafter], k_max=plan.num_draft_tokens) if plan.adaptive else None
+            costs = self.costs[plan.drafter]
+            policy = AdaptiveK(costs, self.acceptance[plan.drafter], k_max=plan.num_draft_tokens) if plan.adaptive else None
             while True:
                 step, generated = finish_step(step, generated, plan.max_new_tokens, self.target.eos_token_ids)
                 yield step
@@ -238,19 +240,21 @@ class SpecDecodeIngress:
                     start = time.perf_counter()
                     try:
                         proposal = await self._call("draft", draft.propose.remote(sid, k, accepts))
+                        if len(accepts) == 1:  # the drafter was up to date: the call cost what a step of k costs
+                            costs.observe_propose(k, time.perf_counter() - start)
                         accepts = []
-                        self.costs.observe_propose(k, time.perf_counter() - start)
                     except Exception as exc:  # noqa: BLE001 - go on with the target alone
                         self._fall_back(plan, exc, "propose")
                 draft_ids = proposal.token_ids if proposal else []
                 # 4. verify them in one target pass
                 start = time.perf_counter()
                 verdict = await self._call("verify", verify.verify.remote(sid, draft_ids, proposal.probs if proposal else None))
-                self.costs.observe_verify(len(draft_ids) + 1, time.perf_counter() - start)
+                costs.observe_verify(len(draft_ids) + 1, time.perf_counter() - start)
                 if policy is not None:
                     policy.observe(len(draft_ids), verdict.n_matches)
                 # 5. accept: emit the accepted tokens + the recovered or bonus token
-                accepts.append((verdict.n_matches, verdict.token_ids[-1], verdict.features))
+                if draft and not plan.fallback:  # verdicts the drafter will catch up with at its next proposal
+                    accepts.append((verdict.n_matches, verdict.token_ids[-1], verdict.features))
                 step = StepOutput(verdict.token_ids, len(draft_ids), verdict.n_matches, verdict.accepted)
                 plan.stats.add(step)
         finally:

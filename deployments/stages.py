@@ -157,7 +157,7 @@ class Draft(_Stage):
         self.opened += 1
         return SessionOpened(*_identity())
 
-    async def propose(self, request_id: str, k: int, accepts: list[tuple] = ()) -> DraftProposal:
+    async def propose(self, request_id: str, k: int, accepts: tuple | list = ()) -> DraftProposal:
         """Accept the verdicts since the last proposal (each ``(n_matches, next_token, features)``), then draft k tokens."""
         def step():
             for accept in accepts:

@@ -72,7 +72,7 @@ class ModelDraftSession:
         probs = None if self.params.greedy else torch.stack(q_rows)  # [k, vocab_size]
         return DraftProposal(token_ids, probs)
 
-    def accept(self, n_matches: int, next_token: int, features=None) -> None:
+    def accept(self, n_matches: int, next_token: int, features: torch.Tensor | None = None) -> None:  # features: unused
         accepted = _check_accept(self.proposal, n_matches)
         context_len = len(self.tokens)
         self.tokens += accepted + [int(next_token)]
@@ -96,7 +96,7 @@ class PromptLookupSession:
         self.proposal = find_candidates(self.tokens, k)
         return DraftProposal(self.proposal, None)
 
-    def accept(self, n_matches: int, next_token: int, features=None) -> None:
+    def accept(self, n_matches: int, next_token: int, features: torch.Tensor | None = None) -> None:  # features: unused
         self.tokens += _check_accept(self.proposal, n_matches) + [int(next_token)]
         self.proposal = []
 
@@ -136,7 +136,7 @@ class DraftEngine:
             self.kept_ids = draft_vocab.resolve_kept_ids(vocab, draft_vocab_size, draft.vocab_size)
             self.runner = make_runner(draft, kept_ids=self.kept_ids)
         self.max_context = max_context or (draft.max_context if draft else 2**31 - 1)
-        if vocab_size is None and eagle_head is not None:
+        if vocab_size is None and draft is None and eagle_head is not None:
             vocab_size = eagle_head.embed.shape[0]
         self.vocab_size = vocab_size or (draft.vocab_size if draft else 2**31 - 1)
         self.sessions: SessionStore = SessionStore(kind="draft", max_sessions=max_sessions, max_kv_bytes=max_kv_bytes)
@@ -165,7 +165,8 @@ class DraftEngine:
             return
         if drafter == EAGLE_DRAFTER:
             generator = make_generator(params.seed, DRAFT_STREAM)
-            session = eagle_draft.start_session(self.eagle_head, self.vocab_size, ids, params, generator, features)
+            vocab_size = self.eagle_head.embed.shape[0]  # q spans the target's vocabulary, as its verifier's p does
+            session = eagle_draft.start_session(self.eagle_head, vocab_size, ids, params, generator, features)
             self.sessions.put(request_id, session)
             return
         cache = self.runner.new_cache()

@@ -60,7 +60,9 @@ def load(path: Path, target: LoadedModel) -> eagle.EagleHead:
     if trained_for and trained_for != serving:
         raise ValueError(f"the EAGLE head {path} was trained for target {trained_for!r}, not this server's {serving!r}")
     head = eagle.load_head(target.model, path)
-    if head.feature_dim != head.embed.shape[1] and head.cfg.feature == "final":
+    if head.cfg.feature != "final":
+        raise ValueError(f"the EAGLE head {path} reads {head.cfg.feature!r} features; serving hands over only the final-norm ones")
+    if head.feature_dim != head.embed.shape[1]:
         raise ValueError(f"the EAGLE head {path} reads {head.feature_dim}-wide features; the target's are {head.embed.shape[1]}")
     logger.info("EAGLE head from %s: %s features, %d kept ids", path, head.cfg.feature, len(head.kept_ids))
     return head
@@ -83,7 +85,7 @@ class EagleDraftSession:
     params: SamplingParams
     generator: torch.Generator
     unpaired: torch.Tensor  # [m, hidden] features of the last m accepted positions, whose next token is not known yet
-    state: eagle.HeadSession = None
+    state: eagle.HeadSession | None = None
     next_logits: torch.Tensor | None = None  # [N] the head's logits for the first draft token
     proposal: list[int] = field(default_factory=list)
 

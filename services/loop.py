@@ -105,6 +105,7 @@ def speculative_decode(
         if draft is not None:
             draft.accept(request_id, 0, result.first_token)  # the drafter continues from prefill's token
         generated = 0
+        drafted_last_step = False
         step = StepOutput([result.first_token])
         while True:
             step, generated = finish_step(step, generated, max_new_tokens, eos)
@@ -126,8 +127,9 @@ def speculative_decode(
             # 4. verify them in one target pass
             verdict = verify.verify(request_id, draft_ids, proposal.probs if proposal else None)
             if policy is not None:
-                if k > 0:
+                if k > 0 and drafted_last_step:  # otherwise the proposal also caught the drafter up
                     policy.costs.observe_propose(k, proposed - start)
+                drafted_last_step = k > 0
                 policy.costs.observe_verify(len(draft_ids) + 1, time.perf_counter() - proposed)
                 policy.observe(len(draft_ids), verdict.n_matches)
             # 5. accept: roll the drafter back to the accepted prefix

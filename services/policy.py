@@ -15,9 +15,13 @@ Ray call in the graph, nothing in-process). The policy takes the k in
 beat k = 0 by ``margin`` (so that measurement noise does not make the default
 slower than speculation off). While it sits at k = 0 it probes k = 1 every
 ``probe_every`` steps, so a request whose text turns predictable gets
-speculation back. A request's acceptance starts from the driver's running
-estimate over earlier requests (``AcceptanceCounts`` with a prior weight);
-unknown costs are extrapolated from the nearest measured ones.
+speculation back; while it speculates it tries one k above its choice as
+often when that k was never measured (unmeasured costs are extrapolated from
+the nearest measured ones, pessimistically). A request's acceptance starts
+from the driver's estimate over earlier requests (``AcceptanceCounts`` with a
+prior weight). Drivers keep one ``CostModel`` per drafter and feed it only
+proposals that followed a proposal (after k = 0 steps a proposal also
+catches the drafter up, which is not what a step of k costs).
 """
 
 from __future__ import annotations
@@ -48,11 +52,18 @@ class AcceptanceCounts:
             self.reached[j] += 1
             self.accepted[j] += int(j < n_matches)
 
+    def at(self, j: int) -> tuple[int, int]:
+        """(accepted, reached) at position j."""
+        return (self.accepted[j], self.reached[j]) if j < len(self.reached) else (0, 0)
+
     def rate(self, j: int, prior: "AcceptanceCounts | None" = None) -> float:
-        """Conditional acceptance at position j, shrunk toward the prior's (itself toward PRIOR_RATE)."""
-        prior_rate = prior.rate(j) if prior is not None else PRIOR_RATE
-        reached = self.reached[j] if j < len(self.reached) else 0
-        accepted = self.accepted[j] if j < len(self.accepted) else 0
+        """Conditional acceptance at position j, shrunk toward the prior's without these counts (itself toward PRIOR_RATE)."""
+        accepted, reached = self.at(j)
+        prior_rate = PRIOR_RATE
+        if prior is not None:
+            prior_accepted, prior_reached = prior.at(j)
+            others_accepted, others_reached = max(prior_accepted - accepted, 0), max(prior_reached - reached, 0)
+            prior_rate = (others_accepted + PRIOR_WEIGHT * PRIOR_RATE) / (others_reached + PRIOR_WEIGHT)
         return (accepted + PRIOR_WEIGHT * prior_rate) / (reached + PRIOR_WEIGHT)
 
 
@@ -115,6 +126,7 @@ class AdaptiveK:
     probe_every: int = DEFAULT_PROBE_EVERY
     counts: AcceptanceCounts = field(default_factory=AcceptanceCounts)
     steps_without_drafting: int = 0
+    steps_since_explore: int = 0
 
     def choose(self, remaining: int) -> int:
         """k for the next step (at most ``remaining - 1``: the step's own token is always emitted)."""
@@ -127,6 +139,11 @@ class AdaptiveK:
         rate = {k: gains[k] / t for k in range(k_max + 1) if (t := self.costs.step(k)) is not None}
         best = max(rate, key=rate.get)
         if best > 0 and rate[best] >= rate[0] * (1 + self.margin):
+            self.steps_since_explore += 1
+            unmeasured = best + 1 <= k_max and best + 1 not in self.costs.propose_s
+            if unmeasured and self.steps_since_explore >= self.probe_every:
+                self.steps_since_explore = 0
+                return best + 1  # its cost is only extrapolated: measure it
             return best
         if self.steps_without_drafting + 1 >= self.probe_every:
             return 1  # probe: the text may have turned predictable

@@ -403,7 +403,8 @@ class HeadSession:
 
     ``extend(features, tokens)`` appends accepted positions (the target's
     features f_a..f_t and the tokens x_{a+1}..x_{t+1}) and returns the first
-    draft token; ``draft(k)`` chains k tokens; ``rollback()`` drops the chain
+    draft token; ``draft_one()`` chains the next one (``extend_logits`` /
+    ``chain_logits``: the same with logits over the kept ids, for sampling); ``rollback()`` drops the chain
     so the next ``extend`` continues from the accepted context. Weights are
     kept as [in, out] (the GEMV layout, see fast_llama.Linear).
     """
@@ -444,11 +445,11 @@ class HeadSession:
             return self._norm(h_out, self.head.norm_out) @ self.w_in
         return h_out
 
-    def _reserve(self, end: int) -> None:  # grow the K/V rows to hold ``end`` (doubling); chain rows are scratch
+    def _reserve(self, end: int) -> None:  # grow the K/V rows to hold ``end`` (doubling), keeping context and chain rows
         if end > self.k.shape[1]:
-            size = max(end, 2 * self.k.shape[1])
+            size, used = max(end, 2 * self.k.shape[1]), self.length + self.chain_len
             k, v = self.k.new_zeros(self.k.shape[0], size, self.k.shape[2]), self.v.new_zeros(self.v.shape[0], size, self.v.shape[2])
-            k[:, : self.length], v[:, : self.length] = self.k[:, : self.length], self.v[:, : self.length]
+            k[:, :used], v[:, :used] = self.k[:, :used], self.v[:, :used]
             self.k, self.v = k, v
 
     @property

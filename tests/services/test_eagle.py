@@ -93,3 +93,15 @@ def test_training_lowers_the_loss(tiny_rows):
     head = eagle.EagleHead(target, cfg, eagle.kept_vocabulary(rows, 48, 96), 64)
     log = eagle.train(head, rows, cfg, top_k=8)
     assert log[-1]["loss"] < log[0]["loss"]
+
+
+def test_session_grows_its_kv_mid_chain(tiny_rows):
+    """A session that must grow its K/V while chaining drafts what a roomy one drafts (chain rows are kept)."""
+    target, rows = tiny_rows
+    head, row = _head(target, rows, "final"), rows[3]
+    for t in (5, 6, 7, 13):
+        chains = []
+        for capacity in (t + 2, 256):
+            session = eagle.HeadSession(head, capacity=capacity)
+            chains.append([session.extend(row["final"][: t + 1], row["ids"][1 : t + 2])] + [session.draft_one() for _ in range(4)])
+        assert chains[0] == chains[1]

@@ -117,3 +117,22 @@ def test_adaptive_policy_is_lossless_and_measures(tiny, engines):
         assert result.token_ids == greedy_reference(target.model, prompt, NEW_TOKENS)
     assert 1 in policy.costs.verify_s and 1 in policy.costs.propose_s
     assert sum(policy.prior.reached) > 0
+
+
+def test_an_unmeasured_larger_k_is_tried_now_and_then():
+    """k = 2 is only extrapolated (pessimistically, from k = 1 with its stage hop): it is measured every probe_every steps."""
+    model = CostModel()
+    for n in range(1, 4):
+        model.observe_verify(n, 40e-3 * (1 + 0.1 * (n - 1)))
+    model.observe_propose(1, 20e-3)  # k = 2 extrapolates to 40 ms
+    policy = AdaptiveK(model, counts=counts([0.9, 0.5]), k_max=2, probe_every=4)
+    assert [policy.choose(remaining=100) for _ in range(8)] == [1, 1, 1, 2, 1, 1, 1, 2]
+
+
+def test_the_prior_excludes_the_requests_own_steps():
+    prior = AcceptanceCounts()
+    policy = AdaptiveK(CostModel(), prior=prior)
+    for _ in range(100):
+        policy.observe(1, 1)
+    # the request's own 100 accepted steps are not counted twice: the prior of "others" is still the default
+    assert policy.counts.rate(0, prior) == pytest.approx((100 + 8 * 0.5) / (100 + 8))
