@@ -233,7 +233,7 @@ def run(
     return {
         "target_tok_s": round(target_arm.tok_s, 3),
         "splitspec_no_speculation_tok_s": round(own_arm.tok_s, 3),
-        "hf_assisted_tok_s": max(r["hf_assisted_tok_s"] for r in runs if r["drafter"] == MODEL_DRAFTER),  # its best k
+        "hf_assisted_tok_s": max(r["hf_assisted_tok_s"] for r in runs if r["drafter"] == MODEL_DRAFTER and r["hf_assisted_tok_s"]),
         "splitspec_tok_s": best["splitspec_tok_s"],
         "acceptance_rate": best["acceptance_rate"],
         "mean_accepted_length": best["mean_accepted_length"],

@@ -118,13 +118,14 @@ def main(argv=None):
     parser.add_argument("--train-seconds", type=float, default=None, help="stop training after this long")
     parser.add_argument("--max-shards", type=int, default=None, help="train on the first shards only (data-size curve)")
     parser.add_argument("--name", default=None)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads while training (costs are timed at 1)")
     parser.add_argument("--init", type=Path, default=None,
                         help="warm start from a saved head (its kept ids and weights), e.g. the shipped eagle-final.safetensors")
     parser.add_argument("--compare-model", action="store_true", help="also measure the shipped model drafter")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     cfg = eagle.EagleConfig(feature=args.feature, draft_vocab=args.draft_vocab, ttt_steps=args.ttt_steps,
-                            epochs=args.epochs, lr=args.lr)
+                            epochs=args.epochs, lr=args.lr, num_threads=args.threads)
     torch.manual_seed(cfg.seed)
     torch.set_num_threads(cfg.num_threads)
     data_cfg = selfinstruct.DataConfig()
