@@ -13,9 +13,10 @@ where ``propose`` includes whatever the driver pays to reach the drafter (a
 Ray call in the graph, nothing in-process). The policy takes the k in
 0 .. k_max with the most tokens per second, E(k) / T(k); speculating must
 beat k = 0 by ``margin`` (so that measurement noise does not make the default
-slower than speculation off). While it sits at k = 0 it probes k = 1 every
+slower than speculation off). While it sits at k = 0 it probes k = 1 after
 ``probe_every`` steps, so a request whose text turns predictable gets
-speculation back; while it speculates it tries one k above its choice as
+speculation back; a probe that does not doubles the wait (up to
+MAX_PROBE_EVERY), so on text where speculation does not pay probes cost little; while it speculates it tries one k above its choice as
 often when that k was never measured (unmeasured costs are extrapolated from
 the nearest measured ones, pessimistically). A request's acceptance starts
 from the driver's estimate over earlier requests (``AcceptanceCounts`` with a
@@ -35,6 +36,7 @@ PRIOR_WEIGHT = 8.0  # how many steps the prior counts for, against a request's o
 DEFAULT_MAX_DRAFT_TOKENS = 4
 DEFAULT_MARGIN = 0.05
 DEFAULT_PROBE_EVERY = 16
+MAX_PROBE_EVERY = 128  # probes that do not turn speculation back on back off, doubling up to this
 
 
 @dataclass
@@ -127,6 +129,10 @@ class AdaptiveK:
     counts: AcceptanceCounts = field(default_factory=AcceptanceCounts)
     steps_without_drafting: int = 0
     steps_since_explore: int = 0
+    probe_interval: int = 0  # steps at k = 0 before the next probe (starts at probe_every)
+
+    def __post_init__(self):
+        self.probe_interval = self.probe_interval or self.probe_every
 
     def choose(self, remaining: int) -> int:
         """k for the next step (at most ``remaining - 1``: the step's own token is always emitted)."""
@@ -139,13 +145,15 @@ class AdaptiveK:
         rate = {k: gains[k] / t for k in range(k_max + 1) if (t := self.costs.step(k)) is not None}
         best = max(rate, key=rate.get)
         if best > 0 and rate[best] >= rate[0] * (1 + self.margin):
+            self.probe_interval = self.probe_every
             self.steps_since_explore += 1
             unmeasured = best + 1 <= k_max and best + 1 not in self.costs.propose_s
             if unmeasured and self.steps_since_explore >= self.probe_every:
                 self.steps_since_explore = 0
                 return best + 1  # its cost is only extrapolated: measure it
             return best
-        if self.steps_without_drafting + 1 >= self.probe_every:
+        if self.steps_without_drafting + 1 >= self.probe_interval:
+            self.probe_interval = min(2 * self.probe_interval, MAX_PROBE_EVERY)
             return 1  # probe: the text may have turned predictable
         return 0
 

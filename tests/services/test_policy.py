@@ -51,15 +51,15 @@ def test_margin_keeps_a_marginal_gain_off():
     assert policy.choose(remaining=100) == 0
 
 
-def test_off_probes_every_so_often_and_learns_from_requests():
+def test_off_probes_with_backoff_and_learns_from_requests():
     policy = AdaptiveK(costs(40e-3, 0.2, 6e-3, hop=3e-3), prior=AcceptanceCounts(), counts=counts([0.1, 0.05]), probe_every=4)
     choices = []
-    for _ in range(8):
+    for _ in range(28):
         k = policy.choose(remaining=100)
         choices.append(k)
         policy.observe(k, 0)
-    assert choices == [0, 0, 0, 1, 0, 0, 0, 1]
-    assert policy.prior.reached[0] == 2  # the driver's estimate for later requests saw the probes
+    assert [i for i, k in enumerate(choices) if k] == [3, 11, 27]  # waits of 4, 8, 16 steps: failed probes back off
+    assert policy.prior.reached[0] == 3  # the driver's estimate for later requests saw the probes
 
 
 def test_first_step_measures_when_nothing_is_known():
