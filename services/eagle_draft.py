@@ -129,18 +129,22 @@ class EagleDraftSession:
             if features.shape[0] != n_matches + 1:
                 raise InvalidRequestError(f"got features of {features.shape[0]} positions for {n_matches} accepted tokens + 1")
             self.unpaired = torch.cat([self.unpaired, features.to(self.unpaired.dtype)])
-        elif self.next_logits is not None or self.state.length + self.unpaired.shape[0] < len(self.tokens) - 1:
+        elif self._missing_features() > 0:
             raise InvalidRequestError("the EAGLE drafter needs the target's features of the accepted tokens")
         self.next_logits = None
+
+    def _missing_features(self) -> int:
+        """Accepted positions before the last whose feature the session lacks (< 0: it has one whose next token it lacks)."""
+        return len(self.tokens) - 1 - (self.state.length + self.unpaired.shape[0])
 
     def _catch_up(self) -> None:
         """Extend the head over the accepted positions it has not read: feature f_t with token x_{t+1}."""
         if self.next_logits is not None:
             return
-        m = self.unpaired.shape[0]
-        if self.state.length + m > len(self.tokens) - 1:  # features of a position whose next token is not known
+        m, missing = self.unpaired.shape[0], self._missing_features()
+        if missing < 0:  # features of a position whose next token is not known
             raise InvalidRequestError("the EAGLE drafter has not been told the token after the prompt: accept a verdict before proposing")
-        if m == 0 or self.state.length + m < len(self.tokens) - 1:
+        if m == 0 or missing > 0:
             raise InvalidRequestError("the EAGLE drafter needs the target's features of every accepted token")
         self.next_logits = self.state.extend_logits(self.unpaired, torch.tensor(self.tokens[-m:]))
         self.unpaired = self.unpaired[:0]

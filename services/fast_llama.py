@@ -229,11 +229,9 @@ class FastLlamaRunner:
             gate, up = w_gu(self._rms_norm(x, ln2)).chunk(2, dim=-1)  # 2 x [n, inter]
             x = x + w_down(F.silu(gate) * up)
         cache.seq_len = end
-        features = self._rms_norm(x, self.norm) if return_features else None  # [n, hidden]
-        if features is not None:
-            x = features[-1:] if last_only else features
-        else:
-            x = self._rms_norm(x[-1:] if last_only else x, self.norm)  # [m, hidden]
-        logits = self.head(x).float()  # [m, N]
+        if last_only and not return_features:
+            x = x[-1:]  # only the last row is needed
+        features = self._rms_norm(x, self.norm)  # [m, hidden]: the final-norm output (EAGLE's feature)
+        logits = self.head(features[-1:] if last_only else features).float()  # [1 or n, N]
         logits = logits if self.kept_ids is None else scatter_kept(logits, self.kept_ids, self.vocab_size)
         return (logits, features) if return_features else logits

@@ -83,20 +83,10 @@ class CostModel:
         _ema(self.propose_s, k, seconds)
 
     def verify(self, tokens: int) -> float | None:
-        if tokens in self.verify_s:
-            return self.verify_s[tokens]
-        if not self.verify_s:
-            return None
-        near = min(self.verify_s, key=lambda n: abs(n - tokens))
-        return self.verify_s[near] * (1 + VERIFY_GROWTH * (tokens - 1)) / (1 + VERIFY_GROWTH * (near - 1))
+        return _extrapolate(self.verify_s, tokens, lambda n: 1 + VERIFY_GROWTH * (n - 1))
 
     def propose(self, k: int) -> float | None:
-        if k in self.propose_s:
-            return self.propose_s[k]
-        if not self.propose_s:
-            return None
-        near = min(self.propose_s, key=lambda m: abs(m - k))
-        return self.propose_s[near] * k / near  # hop + k draft tokens: linear in k is pessimistic for k > near
+        return _extrapolate(self.propose_s, k, lambda m: m)  # hop + k draft tokens: linear in k is pessimistic for k > near
 
     def step(self, k: int) -> float | None:
         """T(k): seconds of a step that drafts k tokens."""
@@ -162,6 +152,16 @@ class AdaptiveK:
         if self.prior is not None:
             self.prior.add(n_drafted, n_matches)
         self.steps_without_drafting = 0 if n_drafted else self.steps_without_drafting + 1
+
+
+def _extrapolate(averages: dict[int, float], key: int, scale) -> float | None:
+    """The average at ``key``, else the nearest measured one rescaled by scale(key) / scale(near); None if none."""
+    if key in averages:
+        return averages[key]
+    if not averages:
+        return None
+    near = min(averages, key=lambda m: abs(m - key))
+    return averages[near] * scale(key) / scale(near)
 
 
 def _ema(averages: dict[int, float], key: int, value: float) -> None:

@@ -40,7 +40,9 @@ from services.models.prompts import held_out_prompts
 from services.prefill import PrefillEngine
 from services.sampling import SamplingParams
 from services.verify import VerifyEngine
-from splitspec.bench_engine import Arm, StepCosts, TimedDraft, TimedVerify, _draft_vocab_size, _timed, _traced_generate
+from splitspec.bench_engine import (
+    Arm, StepCosts, TimedDraft, TimedVerify, _draft_vocab_size, _timed, _traced_generate, ideal_seconds,
+)
 
 logger = logging.getLogger(__name__)
 DEFAULT_KS = (1, 2, 3, 4, 5, 6)
@@ -61,12 +63,6 @@ def acceptance_by_position(results: list[GenerationResult], k: int) -> list[floa
 def model_speedups(mean_len: float, k: int, c: float, v_k: float) -> tuple[float, float]:
     """(sequential, overlapped) speedup of the cost model, in units of one target step (medians: not a bound)."""
     return mean_len / (k * c + v_k), mean_len / max(k * c, v_k)
-
-
-def ideal_seconds(result: GenerationResult, draft_token_s: float, verify_s: dict[int, float], overlapped: bool) -> float:
-    """A lower bound on one generation's time from the cheapest observed step costs."""
-    combine = max if overlapped else (lambda a, b: a + b)
-    return result.prefill_s + sum(combine(n * draft_token_s, verify_s[n + 1]) for n in result.drafted_per_step)
 
 
 def _run_k(k: int, engines, prompts, references, *, max_new_tokens: int, t_target_step: float, off: Arm) -> dict:

@@ -261,9 +261,11 @@ def run(
     }
 
 
-def ideal_seconds(result: GenerationResult, draft_token_s: float, verify_s: dict[int, float]) -> float:
-    """A lower bound on one generation's time: its measured prefill plus the cheapest observed costs of its steps."""
-    return result.prefill_s + sum(n * draft_token_s + verify_s[n + 1] for n in result.drafted_per_step)
+def ideal_seconds(result: GenerationResult, draft_token_s: float, verify_s: dict[int, float], overlapped: bool = False) -> float:
+    """A lower bound on one generation's time: its measured prefill plus the cheapest observed costs of its steps
+    (drafting then verifying, or with ``overlapped`` the longer of the two)."""
+    combine = max if overlapped else (lambda a, b: a + b)
+    return result.prefill_s + sum(combine(n * draft_token_s, verify_s[n + 1]) for n in result.drafted_per_step)
 
 
 def _draft_vocab_size(engine: DraftEngine) -> int:

@@ -146,13 +146,7 @@ def prepare_drafter(*, retrain: bool = False, config: distill.DistillConfig | No
 
 def _install_draft_vocab(out: Path) -> None:
     """Copy the shipped draft vocabulary into the drafter folder (where DraftEngine finds it)."""
-    installed = out / draft_vocab.DRAFT_VOCAB_FILE
-    if not SHIPPED_DRAFT_VOCAB.is_file():
-        installed.unlink(missing_ok=True)
-        return
-    if not installed.is_file() or installed.read_bytes() != SHIPPED_DRAFT_VOCAB.read_bytes():
-        shutil.copyfile(SHIPPED_DRAFT_VOCAB, installed)
-        logger.info("installed the draft vocabulary %s", installed)
+    _install(SHIPPED_DRAFT_VOCAB, out / draft_vocab.DRAFT_VOCAB_FILE)
 
 
 def _install_eagle_head(out: Path) -> None:
@@ -164,19 +158,26 @@ def _install_eagle_head(out: Path) -> None:
     from services import eagle_draft
     from services.loading import config_of
 
-    head, report_path = out / eagle_draft.HEAD_FILE, out / eagle_draft.HEAD_REPORT
-    if not SHIPPED_EAGLE.is_file():
-        head.unlink(missing_ok=True)
+    report_path = out / eagle_draft.HEAD_REPORT
+    if not _install(SHIPPED_EAGLE, out / eagle_draft.HEAD_FILE):
         report_path.unlink(missing_ok=True)
         return
     report = json.loads(SHIPPED_EAGLE_REPORT.read_text()) if SHIPPED_EAGLE_REPORT.is_file() else {}
     report["target"] = eagle_draft.target_identity(config_of(target_dir()))
     text = json.dumps(report, indent=2) + "\n"
-    if not head.is_file() or head.read_bytes() != SHIPPED_EAGLE.read_bytes():
-        shutil.copyfile(SHIPPED_EAGLE, head)
-        logger.info("installed the EAGLE head %s", head)
     if not report_path.is_file() or report_path.read_text() != text:
         report_path.write_text(text)
+
+
+def _install(shipped: Path, installed: Path) -> bool:
+    """Copy a shipped file into the drafter folder unless it is there already; without one, remove the installed copy."""
+    if not shipped.is_file():
+        installed.unlink(missing_ok=True)
+        return False
+    if not installed.is_file() or installed.read_bytes() != shipped.read_bytes():
+        shutil.copyfile(shipped, installed)
+        logger.info("installed %s", installed)
+    return True
 
 
 def _matches_shipped(out: Path) -> bool:
