@@ -164,7 +164,7 @@ def run(
     progress(f"{target_arm.name}: {target_arm.tok_s:.2f} tok/s; {own_arm.name}: {own_arm.tok_s:.2f} tok/s")
     learned = [d for d in (MODEL_DRAFTER, EAGLE_DRAFTER) if d in draft_engine.drafters]  # drafters with a model
     configs = [(d, k) for d in learned for k in ks] + [(d, ADAPTIVE) for d in learned] + [(PROMPT_LOOKUP_DRAFTER, prompt_lookup_k)]
-    policy_costs, policy_prior = CostModel(), defaultdict(AcceptanceCounts)  # what the adaptive rows learn, as an ingress would
+    policy_costs, policy_prior = defaultdict(CostModel), defaultdict(AcceptanceCounts)  # per drafter, as the ingress keeps them
     runs, traces = [], []
     for drafter, k in configs:
         hf_arm, ours = Arm("transformers assisted"), Arm("splitspec loop")
@@ -186,7 +186,7 @@ def run(
 
             def ours_fn():
                 nonlocal result
-                policy = AdaptiveK(policy_costs, policy_prior[drafter], k_max=max(ks)) if k == ADAPTIVE else None
+                policy = AdaptiveK(policy_costs[drafter], policy_prior[drafter], k_max=max(ks)) if k == ADAPTIVE else None
                 result = _traced_generate(prefill, drafts, verify, ids, max_new_tokens=max_new_tokens, num_draft_tokens=k or max(ks),
                                           params=greedy, drafter=drafter, policy=policy)
                 return result.token_ids
