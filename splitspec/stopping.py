@@ -14,6 +14,7 @@ Ctrl-C forces the stop even then.
 
 from __future__ import annotations
 
+import ctypes
 import faulthandler
 import logging
 import os
@@ -34,21 +35,26 @@ TERM_GRACE_S = 2.0  # SIGTERM first, then SIGKILL after this long
 EXIT_WAIT_S = 5.0  # after ray.shutdown(), how long Ray's processes get to exit on their own
 SNAPSHOT_PERIOD_S = 2.0  # how often the watchdog records new child processes (replica workers come and go)
 FORCED_EXIT_CODE = 1
+END_ROUNDS = 5  # re-scans after ending: a process forked while the others were being ended is ended too
+PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h
 
 
 class OwnedProcesses:
     """The processes this command started: its descendants, remembered by id so that reparented ones are not lost.
 
-    Ray's worker processes are children of the raylet; when the raylet dies
-    they are reparented to init and are no longer our descendants. Recording
-    them while the tree is intact keeps them ours. ``psutil.Process`` checks the
-    creation time, so a recycled pid is never taken for one of ours.
+    Ray's worker processes are children of the raylet. On Linux this process
+    becomes a child subreaper, so when the raylet dies its workers are
+    reparented to us, not to init, and stay our descendants — also one the
+    raylet forked just before it was ended. Elsewhere, recording them while the
+    tree is intact keeps them ours. ``psutil.Process`` checks the creation time,
+    so a recycled pid is never taken for one of ours.
     """
 
     def __init__(self):
         self._me = psutil.Process()
         self._known: dict[int, psutil.Process] = {}
         self._lock = threading.Lock()
+        _become_subreaper()
 
     def snapshot(self) -> None:
         try:
@@ -66,15 +72,23 @@ class OwnedProcesses:
         return [p for p in procs if _running(p)]
 
     def end(self, grace_s: float = TERM_GRACE_S) -> list[str]:
-        """SIGTERM every live one, SIGKILL what is left after ``grace_s``; return 'name(pid)' of those ended."""
-        procs = self.alive()
-        names = [_describe(p) for p in procs]
-        for p in procs:
-            _signal(p, signal.SIGTERM)
-        _, still = psutil.wait_procs(procs, timeout=grace_s)
-        for p in still:
-            _signal(p, signal.SIGKILL)
-        psutil.wait_procs(still, timeout=grace_s)
+        """SIGTERM every live one, SIGKILL what is left after ``grace_s``; return 'name(pid)' of those ended.
+
+        Ends in rounds until a fresh scan finds none alive: a process can be forked (a raylet starting a worker)
+        between the scan and the signal that ends its parent.
+        """
+        names = []
+        for _ in range(END_ROUNDS):
+            procs = self.alive()
+            if not procs:
+                break
+            names += [_describe(p) for p in procs]
+            for p in procs:
+                _signal(p, signal.SIGTERM)
+            _, still = psutil.wait_procs(procs, timeout=grace_s)
+            for p in still:
+                _signal(p, signal.SIGKILL)
+            psutil.wait_procs(still, timeout=grace_s)
         return names
 
 
@@ -173,6 +187,16 @@ class Stopper:
             print(text, file=self._out, flush=True)
         except (OSError, ValueError):
             pass
+
+
+def _become_subreaper() -> None:
+    """Orphaned descendants are reparented to this process instead of init (Linux only; a no-op elsewhere)."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    except (OSError, AttributeError):
+        logger.debug("prctl(PR_SET_CHILD_SUBREAPER) unavailable; orphaned workers are found by earlier snapshots")
 
 
 def _running(p: psutil.Process) -> bool:
