@@ -1,10 +1,15 @@
 """Draft: per-session proposers (a small draft model, an EAGLE head over the target's features, or prompt lookup).
 
 Interface of a draft session (as transformers' candidate generators):
-``propose(k)`` -> draft token ids and their draft distributions q,
+``propose(k, forced)`` -> draft token ids and their draft distributions q,
 ``accept(n, next_token, features)`` -> keep the first n proposed tokens plus
 the target's next token and roll the draft KV back to that prefix
 (``features``: the target's, of the accepted positions, for the EAGLE drafter).
+
+``forced`` are tokens taken as drafted without sampling them: the block the
+verifier is checking while the drafter already drafts beyond it (pre-drafting,
+services.loop). They head the session's proposal, so a verdict on them is an
+ordinary ``accept``.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from services.prompt_lookup import find_candidates
 from services.runner import make_runner
 from services.sampling import SamplingParams, logits_to_probs, make_generator, sample
 from services.sessions import DEFAULT_MAX_KV_BYTES, DEFAULT_MAX_SESSIONS, SessionStore
-from services.validation import validate_num_draft_tokens, validate_prompt
+from services.validation import MAX_DRAFT_TOKENS, validate_num_draft_tokens, validate_prompt
 
 DRAFT_STREAM = 1  # random stream of draft samples (see sampling.make_generator)
 MODEL_DRAFTER = "model"
@@ -54,9 +59,9 @@ class ModelDraftSession:
     def nbytes(self) -> int:
         return self.cache.nbytes
 
-    def propose(self, k: int) -> DraftProposal:
+    def propose(self, k: int, forced: Sequence[int] = ()) -> DraftProposal:
         # the cache always lags the context by >= 1 token, so there are logits to sample from
-        uncached = torch.tensor(self.tokens[self.cache.seq_len :])
+        uncached = torch.tensor(self.tokens[self.cache.seq_len :] + list(forced))
         token_ids, q_rows = [], []
         for _ in range(k):
             logits = self.runner.forward(uncached, self.cache, last_only=True)  # [1, vocab_size]
@@ -68,7 +73,7 @@ class ModelDraftSession:
                 q_rows.append(q[0])
             token_ids.append(int(x[0]))
             uncached = x
-        self.proposal = token_ids
+        self.proposal = list(forced) + token_ids
         probs = None if self.params.greedy else torch.stack(q_rows)  # [k, vocab_size]
         return DraftProposal(token_ids, probs)
 
@@ -92,9 +97,10 @@ class PromptLookupSession:
     def nbytes(self) -> int:
         return TOKEN_BYTES * len(self.tokens)
 
-    def propose(self, k: int) -> DraftProposal:
-        self.proposal = find_candidates(self.tokens, k)
-        return DraftProposal(self.proposal, None)
+    def propose(self, k: int, forced: Sequence[int] = ()) -> DraftProposal:
+        found = find_candidates(self.tokens + list(forced), k)
+        self.proposal = list(forced) + found
+        return DraftProposal(found, None)
 
     def accept(self, n_matches: int, next_token: int, features: torch.Tensor | None = None) -> None:  # features: unused
         self.tokens += _check_accept(self.proposal, n_matches) + [int(next_token)]
@@ -175,10 +181,14 @@ class DraftEngine:
         generator = make_generator(params.seed, DRAFT_STREAM)
         self.sessions.put(request_id, ModelDraftSession(self.runner, ids, params, generator, cache))
 
-    def propose(self, request_id: str, k: int) -> DraftProposal:
+    def propose(self, request_id: str, k: int, forced: Sequence[int] = ()) -> DraftProposal:
+        """Draft k tokens after the accepted context, or after ``forced`` tokens that follow it (taken as drafted)."""
         validate_num_draft_tokens(k)
+        forced = [int(t) for t in forced]
+        if len(forced) > MAX_DRAFT_TOKENS or any(not 0 <= t < self.vocab_size for t in forced):
+            raise InvalidRequestError(f"forced draft tokens must be at most {MAX_DRAFT_TOKENS} ids in [0, {self.vocab_size})")
         session = self.sessions.get(request_id)
-        proposal = session.propose(k)
+        proposal = session.propose(k, forced)
         self.sessions.enforce_limits(keep=request_id)
         return proposal
 

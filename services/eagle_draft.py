@@ -96,13 +96,15 @@ class EagleDraftSession:
     def nbytes(self) -> int:
         return self.state.nbytes + self.unpaired.nbytes
 
-    def propose(self, k: int):
+    def propose(self, k: int, forced: Sequence[int] = ()):
         from services.draft import DraftProposal
 
         self._catch_up()
         kept = self.head.kept_ids
         logits, token_ids, q_rows = self.next_logits, [], []
         self.state.chain_len = 0  # a new chain from the accepted context
+        for x in forced:  # through the block being verified, on the head's own predicted features
+            logits = self.state.chain_logits(x)
         for i in range(k):
             if self.params.greedy:
                 x = int(kept[logits.argmax()])
@@ -113,7 +115,7 @@ class EagleDraftSession:
             token_ids.append(x)
             if i + 1 < k:
                 logits = self.state.chain_logits(x)
-        self.proposal = token_ids
+        self.proposal = list(forced) + token_ids
         return DraftProposal(token_ids, None if self.params.greedy else torch.stack(q_rows))  # q: [k, vocab_size]
 
     def accept(self, n_matches: int, next_token: int, features: torch.Tensor | None = None) -> None:

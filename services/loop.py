@@ -1,23 +1,47 @@
-"""The sequential speculative-decoding loop: prefill -> draft -> verify -> accept.
+"""The speculative-decoding loop, written once: prefill -> (draft -> verify -> accept)*.
 
-This is the reference the distributed Ray Serve graph must match step for
-step, and what ``splitspec bench engine`` measures. Numbered steps match the
-stage names.
+``SpeculativeLoop`` is sans-I/O: it decides what each step asks of the draft
+and verify stages and reads their answers, but calls nothing itself. A driver
+moves the data: ``speculative_decode`` here runs the engines in-process
+(benchmarks, ``generate --local``, tests); the Ray ingress runs the same loop
+over the stage handles (deployments/ingress.py).
+
+    loop = SpeculativeLoop(first_token, ...)
+    steps = loop.run()
+    item = next(steps)
+    while True:   # StopIteration ends it
+        if isinstance(item, StepOutput): emit(item); item = next(steps)
+        else: item = steps.send(execute(item))   # item: Calls -> Results
+
+Pre-drafting (``overlap=True``, PEARL's post-verify, arXiv 2408.11850):
+while the verifier checks block i, the drafter already drafts beyond it,
+taking block i as accepted and guessing the target's next token g. If the
+verdict accepts the whole block and its bonus token is g (a *hit*), the tokens
+drafted after g are the next block, verified at once; otherwise (a *miss*) the
+next step verifies no block, the target decoding one token, while the drafter
+drafts from the corrected token. The drafter never waits for a verdict and the
+verifier never waits for the drafter. Lossless: a block is verified with the
+q it was sampled from, in the context it was drafted for (a hit means that
+context is the real one), and whether it is used depends only on the target's
+tokens.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from services.draft import FEATURE_DRAFTERS, MODEL_DRAFTER, DraftEngine
+import torch
+
+from services.draft import FEATURE_DRAFTERS, MODEL_DRAFTER, DraftEngine, DraftProposal
 from services.policy import AdaptiveK
 from services.prefill import PrefillEngine
 from services.sampling import SamplingParams
-from services.validation import validate_max_new_tokens, validate_num_draft_tokens, validate_prompt
-from services.verify import VerifyEngine
+from services.validation import MAX_DRAFT_TOKENS, validate_max_new_tokens, validate_num_draft_tokens, validate_prompt
+from services.verify import VerifyEngine, VerifyResult
 
 FINISH_STOP = "stop"  # an end-of-sequence token was generated
 FINISH_LENGTH = "length"  # max_new_tokens reached
@@ -28,7 +52,7 @@ class StepOutput:
     """Tokens one step emitted (the first step is prefill's first token)."""
 
     token_ids: list[int]
-    n_drafted: int = 0  # draft tokens proposed in this step
+    n_drafted: int = 0  # draft tokens verified in this step
     n_matches: int = 0  # of which the target accepted
     accepted: list[bool] = field(default_factory=list)  # per draft position
     finish_reason: str | None = None
@@ -36,10 +60,14 @@ class StepOutput:
 
 @dataclass
 class SpeculationStats:
+    """One request's speculation counts; the one definition of acceptance rate and mean accepted length."""
+
     steps: int = 0  # verify steps (target forward passes after prefill)
     drafted: int = 0
     accepted: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
+    pre_drafts: int = 0  # steps whose verification overlapped a pre-draft
+    pre_draft_hits: int = 0  # of which the next block was ready when the verdict came
 
     def add(self, step: StepOutput) -> None:
         self.steps += 1
@@ -49,6 +77,14 @@ class SpeculationStats:
             if position == len(self.accepted_per_position):
                 self.accepted_per_position.append(0)
             self.accepted_per_position[position] += int(ok)
+
+    def merge(self, other: "SpeculationStats") -> None:
+        for step_field in ("steps", "drafted", "accepted", "pre_drafts", "pre_draft_hits"):
+            setattr(self, step_field, getattr(self, step_field) + getattr(other, step_field))
+        for position, n in enumerate(other.accepted_per_position):
+            if position == len(self.accepted_per_position):
+                self.accepted_per_position.append(0)
+            self.accepted_per_position[position] += n
 
     @property
     def acceptance_rate(self) -> float:
@@ -60,6 +96,11 @@ class SpeculationStats:
         """Tokens emitted per verify step: accepted drafts + the recovered or bonus token."""
         return (self.accepted + self.steps) / self.steps if self.steps else 0.0
 
+    @property
+    def hit_rate(self) -> float:
+        """Pre-drafts whose block was used / pre-drafts."""
+        return self.pre_draft_hits / self.pre_drafts if self.pre_drafts else 0.0
+
 
 @dataclass
 class GenerationResult:
@@ -68,78 +109,120 @@ class GenerationResult:
     stats: SpeculationStats
 
 
-def speculative_decode(
-    prefill: PrefillEngine,
-    draft: DraftEngine | None,
-    verify: VerifyEngine,
-    prompt_ids: Sequence[int],
-    *,
-    max_new_tokens: int,
-    num_draft_tokens: int,
-    params: SamplingParams,
-    drafter: str = MODEL_DRAFTER,
-    request_id: str | None = None,
-    policy: AdaptiveK | None = None,
-) -> Iterator[StepOutput]:
-    """Yield each step's new tokens until EOS or ``max_new_tokens``. ``draft=None`` turns speculation off.
+# -- what the loop asks of the stages, and what it is told ---------------------------------------
 
-    ``policy`` picks k for every step (0 included; services.policy) from the costs it measures here;
-    without one, k is ``num_draft_tokens`` throughout.
-    """
-    request_id = request_id or uuid.uuid4().hex
-    target = prefill.target
-    params.validate()
-    if draft is not None:
-        validate_num_draft_tokens(num_draft_tokens)
-    eos = target.eos_token_ids
-    prompt_ids = validate_prompt(prompt_ids, max_context=target.max_context, vocab_size=target.vocab_size)
-    validate_max_new_tokens(max_new_tokens, prompt_len=len(prompt_ids), max_context=target.max_context)
-    features = draft is not None and drafter in FEATURE_DRAFTERS  # the drafter reads the target's features
-    # 1. prefill the target (and start the draft session over the same prompt)
-    result = prefill.prefill(prompt_ids, params, features=features)
-    if draft is not None:
-        draft.start(request_id, prompt_ids, params, drafter, result.features)
-    try:
-        # 2. hand the prefill KV to the verifier
-        verify.open(request_id, result.payload, result.first_token, params, features=features)
-        if draft is not None:
-            draft.accept(request_id, 0, result.first_token)  # the drafter continues from prefill's token
-        generated = 0
-        drafted_last_step = False
-        step = StepOutput([result.first_token])
+
+@dataclass
+class Accept:
+    """A verdict the drafter has not seen yet: keep n_matches drafts, then next_token."""
+
+    n_matches: int
+    next_token: int
+    features: torch.Tensor | None = None  # [n_matches + 1, hidden] for a feature drafter
+
+
+@dataclass
+class Propose:
+    """Catch the drafter up with ``accepts``, then draft k tokens after ``forced`` (the block under verification)."""
+
+    k: int
+    accepts: list[Accept]
+    forced: list[int] = field(default_factory=list)
+
+
+@dataclass
+class Verify:
+    draft_ids: list[int]
+    probs: torch.Tensor | None  # [len(draft_ids), vocab_size] q; None = one-hot
+
+
+@dataclass
+class Calls:
+    """The stage calls of one round; when both are set they run concurrently."""
+
+    propose: Propose | None = None
+    verify: Verify | None = None
+
+
+@dataclass
+class Results:
+    proposal: DraftProposal | None = None
+    verdict: VerifyResult | None = None
+    propose_s: float = 0.0  # wall-clock seconds of each call, as the driver saw them
+    verify_s: float = 0.0
+    draft_failed: bool = False  # the draft stage failed: go on with the target alone (the answer is the same)
+
+
+class SpeculativeLoop:
+    """The decisions of one request's decode loop, free of I/O (see the module docstring)."""
+
+    def __init__(self, first_token: int, *, max_new_tokens: int, eos: set[int], num_draft_tokens: int,
+                 drafting: bool, policy: AdaptiveK | None = None, overlap: bool = False):
+        self.first_token = first_token
+        self.max_new_tokens = max_new_tokens
+        self.eos = eos
+        self.num_draft_tokens = num_draft_tokens  # k, or the largest k when ``policy`` picks it
+        self.drafting = drafting  # turned off for good by a draft-stage failure
+        self.policy = policy
+        self.overlap = overlap
+        self.stats = SpeculationStats()
+
+    def run(self) -> Generator[StepOutput | Calls, Results | None, None]:
+        accepts = [Accept(0, self.first_token)]  # verdicts the drafter has not seen: it continues from prefill's token
+        block, block_probs = [], None  # the next block to verify: pre-drafted on a hit
+        generated, step = 0, StepOutput([self.first_token])
+        caught_up = False  # the drafter had seen every verdict but the last at its last proposal (not so at first: the prompt)
         while True:
-            step, generated = finish_step(step, generated, max_new_tokens, eos)
+            step, generated = finish_step(step, generated, self.max_new_tokens, self.eos)
             yield step
             if step.finish_reason:
                 return
-            remaining = max_new_tokens - generated
-            if draft is None:
-                k = 0
-            elif policy is not None:
-                k = policy.choose(remaining)
-            else:
-                k = min(num_draft_tokens, remaining - 1)
-            # 3. draft k tokens
-            start = time.perf_counter()
-            proposal = draft.propose(request_id, k) if k > 0 else None
-            proposed = time.perf_counter()
-            draft_ids = proposal.token_ids if proposal else []
-            # 4. verify them in one target pass
-            verdict = verify.verify(request_id, draft_ids, proposal.probs if proposal else None)
-            if policy is not None:
-                if k > 0 and drafted_last_step:  # otherwise the proposal also caught the drafter up
-                    policy.costs.observe_propose(k, proposed - start)
-                drafted_last_step = k > 0
-                policy.costs.observe_verify(len(draft_ids) + 1, time.perf_counter() - proposed)
-                policy.observe(len(draft_ids), verdict.n_matches)
-            # 5. accept: roll the drafter back to the accepted prefix
-            if draft is not None:
-                draft.accept(request_id, verdict.n_matches, verdict.token_ids[-1], verdict.features)  # n_matches is 0 without a proposal
-            step = StepOutput(verdict.token_ids, len(draft_ids), verdict.n_matches, verdict.accepted)
-    finally:
-        verify.close(request_id)
-        if draft is not None:
-            draft.close(request_id)
+            remaining = self.max_new_tokens - generated
+            pre_draft = None
+            if self.drafting and self.overlap:
+                block, block_probs = block[: remaining - 1], block_probs[: remaining - 1] if block_probs is not None else None
+                # draft the guess g and the block after it, while the verifier checks this block
+                k_after = max(0, min(self._choose_k(remaining), remaining - len(block) - 2, MAX_DRAFT_TOKENS - 1))
+                pre_draft = Propose(1 + k_after, accepts, list(block))
+            elif self.drafting:
+                k = self._choose_k(remaining)
+                block, block_probs = [], None
+                if k > 0:
+                    results = yield Calls(propose=Propose(k, accepts))
+                    if results.draft_failed:
+                        self.drafting = False
+                    else:
+                        if caught_up and self.policy is not None:  # otherwise the call also caught the drafter up
+                            self.policy.costs.observe_propose(k, results.propose_s)
+                        block, block_probs = results.proposal.token_ids, results.proposal.probs
+                        accepts = []
+                caught_up = k > 0
+            results = yield Calls(propose=pre_draft, verify=Verify(block, block_probs))
+            verdict = results.verdict
+            if self.policy is not None:
+                self.policy.costs.observe_verify(len(block) + 1, results.verify_s)
+                self.policy.observe(len(block), verdict.n_matches)
+            if results.draft_failed:
+                self.drafting = False
+            if self.drafting:  # the drafter catches up with this verdict at its next proposal
+                if pre_draft is not None:
+                    accepts = []
+                accepts.append(Accept(verdict.n_matches, verdict.token_ids[-1], verdict.features))
+            step = StepOutput(verdict.token_ids, len(block), verdict.n_matches, verdict.accepted)
+            self.stats.add(step)
+            block, block_probs = [], None
+            if pre_draft is not None and self.drafting:
+                self.stats.pre_drafts += 1
+                guess = results.proposal.token_ids
+                if verdict.n_matches == len(pre_draft.forced) and guess and verdict.token_ids[-1] == guess[0]:
+                    self.stats.pre_draft_hits += 1  # the block drafted after g is next
+                    block = guess[1:]
+                    block_probs = results.proposal.probs[1:] if results.proposal.probs is not None else None
+
+    def _choose_k(self, remaining: int) -> int:
+        if self.policy is not None:
+            return self.policy.choose(remaining)
+        return min(self.num_draft_tokens, remaining - 1)
 
 
 def finish_step(step: StepOutput, generated: int, max_new_tokens: int, eos: set[int]) -> tuple[StepOutput, int]:
@@ -156,14 +239,107 @@ def finish_step(step: StepOutput, generated: int, max_new_tokens: int, eos: set[
     return step, generated + len(tokens)
 
 
+# -- the in-process driver -----------------------------------------------------------------------
+
+
+def speculative_decode(
+    prefill: PrefillEngine,
+    draft: DraftEngine | None,
+    verify: VerifyEngine,
+    prompt_ids: Sequence[int],
+    *,
+    max_new_tokens: int,
+    num_draft_tokens: int,
+    params: SamplingParams,
+    drafter: str = MODEL_DRAFTER,
+    request_id: str | None = None,
+    policy: AdaptiveK | None = None,
+    overlap: bool = False,
+    stats: SpeculationStats | None = None,
+) -> Iterator[StepOutput]:
+    """Yield each step's new tokens until EOS or ``max_new_tokens``. ``draft=None`` turns speculation off.
+
+    ``policy`` picks k for every step (0 included; services.policy) from the costs it measures here; without one,
+    k is ``num_draft_tokens`` throughout. With ``overlap`` the drafter pre-drafts in a second thread while the
+    target verifies (torch releases the GIL in its kernels). ``stats``, if given, is filled as the loop runs.
+    """
+    request_id = request_id or uuid.uuid4().hex
+    target = prefill.target
+    params.validate()
+    if draft is not None:
+        validate_num_draft_tokens(num_draft_tokens)
+    prompt_ids = validate_prompt(prompt_ids, max_context=target.max_context, vocab_size=target.vocab_size)
+    validate_max_new_tokens(max_new_tokens, prompt_len=len(prompt_ids), max_context=target.max_context)
+    features = draft is not None and drafter in FEATURE_DRAFTERS  # the drafter reads the target's features
+    # 1. prefill the target (and start the draft session over the same prompt)
+    result = prefill.prefill(prompt_ids, params, features=features)
+    if draft is not None:
+        draft.start(request_id, prompt_ids, params, drafter, result.features)
+    pool = ThreadPoolExecutor(1, thread_name_prefix="splitspec-draft") if overlap and draft is not None else None
+    try:
+        # 2. hand the prefill KV to the verifier
+        verify.open(request_id, result.payload, result.first_token, params, features=features)
+        loop = SpeculativeLoop(result.first_token, max_new_tokens=max_new_tokens, eos=target.eos_token_ids,
+                               num_draft_tokens=num_draft_tokens, drafting=draft is not None, policy=policy,
+                               overlap=overlap)
+        if stats is not None:
+            loop.stats = stats
+        yield from drive(loop, draft, verify, request_id, pool)
+    finally:
+        if pool is not None:
+            pool.shutdown()
+        verify.close(request_id)
+        if draft is not None:
+            draft.close(request_id)
+
+
+def drive(loop: SpeculativeLoop, draft: DraftEngine | None, verify: VerifyEngine, request_id: str,
+          pool: ThreadPoolExecutor | None = None) -> Iterator[StepOutput]:
+    """Run ``loop`` over open draft / verify sessions in this process; with ``pool``, pre-drafts run in its thread."""
+    steps = loop.run()
+    try:
+        item = next(steps)
+        while True:
+            if isinstance(item, StepOutput):
+                yield item
+                item = next(steps)
+            else:  # 3.-5. draft, verify, accept
+                item = steps.send(_execute(item, draft, verify, request_id, pool))
+    except StopIteration:
+        return
+
+
+def _execute(calls: Calls, draft: DraftEngine, verify: VerifyEngine, request_id: str, pool) -> Results:
+    results = Results()
+
+    def propose():
+        start = time.perf_counter()
+        for a in calls.propose.accepts:
+            draft.accept(request_id, a.n_matches, a.next_token, a.features)
+        results.proposal = draft.propose(request_id, calls.propose.k, calls.propose.forced)
+        results.propose_s = time.perf_counter() - start
+
+    drafting = None
+    if calls.propose is not None:
+        if pool is not None and calls.verify is not None:
+            drafting = pool.submit(propose)
+        else:
+            propose()
+    if calls.verify is not None:
+        start = time.perf_counter()
+        results.verdict = verify.verify(request_id, calls.verify.draft_ids, calls.verify.probs)
+        results.verify_s = time.perf_counter() - start
+    if drafting is not None:
+        drafting.result()
+    return results
+
+
 def generate(*args, **kwargs) -> GenerationResult:
     """Run ``speculative_decode`` to the end and collect its tokens and statistics."""
     tokens: list[int] = []
     stats = SpeculationStats()
     finish_reason = FINISH_LENGTH
-    for i, step in enumerate(speculative_decode(*args, **kwargs)):
+    for step in speculative_decode(*args, stats=stats, **kwargs):
         tokens += step.token_ids
-        if i:  # step 0 is prefill's first token, not a verify step
-            stats.add(step)
         finish_reason = step.finish_reason or finish_reason
     return GenerationResult(tokens, finish_reason, stats)

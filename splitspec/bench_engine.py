@@ -75,9 +75,9 @@ class TimedDraft:
         self.engine.accept(request_id, *args, **kwargs)
         self._accept_s = time.perf_counter() - start  # drafting work (EAGLE extends its head here): charged to the next proposal
 
-    def propose(self, request_id: str, k: int):
+    def propose(self, request_id: str, k: int, forced=()):
         start = time.perf_counter()
-        proposal = self.engine.propose(request_id, k)
+        proposal = self.engine.propose(request_id, k, forced)
         seconds = time.perf_counter() - start + self._accept_s
         self._accept_s = 0.0
         if proposal.token_ids:
@@ -123,11 +123,10 @@ def _traced_generate(*args, **kwargs) -> GenerationResult:
     tokens, stats, finish, drafted_per_step = [], SpeculationStats(), None, []
     start = time.perf_counter()
     prefill_s = 0.0
-    for i, step in enumerate(speculative_decode(*args, **kwargs)):
+    for i, step in enumerate(speculative_decode(*args, stats=stats, **kwargs)):
         if i == 0:
             prefill_s = time.perf_counter() - start
         else:
-            stats.add(step)
             drafted_per_step.append(step.n_drafted)
         tokens += step.token_ids
         finish = step.finish_reason or finish

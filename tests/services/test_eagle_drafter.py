@@ -47,6 +47,33 @@ def test_greedy_equals_target_alone(tiny, engines, k):
     assert accepted > 0, "no draft was accepted: the multi-row feature path was not exercised"
 
 
+@pytest.mark.parametrize("k", [1, 3])
+def test_greedy_with_pre_drafting_equals_target_alone(tiny, engines, k):
+    """Pre-drafting: the head chains through the block under verification on its own features, then drafts on."""
+    target, _ = tiny
+    prefill, draft, verify = engines
+    hits = 0
+    for prompt in PROMPTS:
+        result = generate(prefill, draft, verify, prompt, max_new_tokens=NEW_TOKENS, num_draft_tokens=k,
+                          params=SamplingParams(), drafter="eagle", overlap=True)
+        assert result.token_ids == greedy_reference(target.model, prompt, NEW_TOKENS), f"prompt {prompt}"
+        hits += result.stats.pre_draft_hits
+    assert hits > 0, "no pre-drafted block was used"
+
+
+def test_forced_tokens_continue_the_chain(engines):
+    prefill, draft, _ = engines
+    prompt, params = [1, 5, 7, 9], SamplingParams()
+    result = prefill.prefill(prompt, params, features=True)
+    for sid in ("whole", "forced"):
+        draft.start(sid, prompt, params, "eagle", result.features)
+        draft.accept(sid, 0, result.first_token)
+    whole = draft.propose("whole", 5).token_ids
+    assert draft.propose("forced", 3, forced=whole[:2]).token_ids == whole[2:]
+    for sid in ("whole", "forced"):
+        draft.close(sid)
+
+
 def test_sampled_tokens_follow_the_target(tiny, engines):
     """With the first token fixed, the first verified token is distributed as the target's p (chi-square)."""
     target, _ = tiny

@@ -107,25 +107,32 @@ def one_matmul_variant():
 
 
 def test_rollback_equals_fresh_forward(tiny, tiny_engines, one_matmul_variant):
-    """After rejections, draft and verify caches equal a fresh forward over the accepted text."""
+    """After rejections, draft and verify caches equal a fresh forward over the accepted text.
+
+    The drafter learns a verdict with its next proposal, so after a step its session holds the text up to that step.
+    """
     target, draft_model = tiny
     prefill, draft, verify = tiny_engines
     prompt = PROMPTS[0]
-    emitted, rejections = [], 0
+    emitted, rejections, rejected_before = [], 0, False
     steps = speculative_decode(prefill, draft, verify, prompt, max_new_tokens=60, num_draft_tokens=4,
                                params=SamplingParams(), request_id="rollback")
     for i, step in enumerate(steps):
+        before = list(emitted)
         emitted += step.token_ids
-        rejections += step.n_matches < step.n_drafted
-        if i >= 1 and rejections >= 2:
+        rejected = step.n_matches < step.n_drafted
+        rejections += rejected
+        if i >= 2 and rejections >= 2 and rejected_before:  # the drafter has rolled back a rejection already
             vs = verify.sessions.get("rollback")
             assert vs.pending == emitted[-1]
             _assert_same_kv(vs.cache, _fresh_kv(target, prompt + emitted[:-1]))
             ds = draft.sessions.get("rollback")
-            assert ds.tokens == prompt + emitted
-            _assert_same_kv(ds.cache, _fresh_kv(draft_model, ds.tokens[: ds.cache.seq_len]))
+            assert ds.tokens == prompt + before
+            # rolled back to the accepted text, then extended over the proposal it made since
+            _assert_same_kv(ds.cache, _fresh_kv(draft_model, (ds.tokens + ds.proposal)[: ds.cache.seq_len]))
             steps.close()
             break
+        rejected_before = rejected
     assert rejections >= 2, "the tiny drafter should have been rejected at least twice"
     assert "rollback" not in verify.sessions and "rollback" not in draft.sessions  # closed on exit
 
