@@ -37,6 +37,7 @@ class Plan:
     num_draft_tokens: int  # k, or the largest k when adaptive
     drafter: str
     adaptive: bool = False  # k picked per step by services.policy
+    overlap: bool = False  # pre-drafting (services.loop)
     stats: SpeculationStats = field(default_factory=SpeculationStats)
     fallback: bool = False  # speculation was turned off mid-request after a draft-stage failure
 
@@ -83,6 +84,7 @@ def parse(request, config: AppConfig, tokenizer, *, max_context: int, vocab_size
         num_draft_tokens=int(k),
         drafter=drafter,
         adaptive=adaptive,
+        overlap=policy.overlap if policy.HasField("overlap") else defaults.overlap,
     )
 
 
@@ -98,6 +100,9 @@ def speculation_stats(plan: Plan) -> pb.SpeculationStats:
         num_draft_tokens=plan.num_draft_tokens if plan.speculate else 0,
         fell_back=plan.fallback,
         adaptive=plan.speculate and plan.adaptive,
+        pre_drafts=s.pre_drafts,
+        pre_draft_hits=s.pre_draft_hits,
+        overlap=plan.speculate and plan.overlap,
     )
 
 

@@ -53,6 +53,9 @@ class SpeculationDefaults(_Strict):
     drafter: str = Field(
         "", description=f"default drafter, one of {list(DRAFTERS)}; empty = eagle when the drafter folder has an EAGLE head, else model"
     )
+    overlap: bool = Field(
+        False, description="pre-draft: the draft stage drafts beyond the block the verifier is checking (services.loop)"
+    )
 
 
 class Limits(_Strict):

@@ -30,7 +30,7 @@ from services import eagle_draft
 from services.draft import DRAFTERS, EAGLE_DRAFTER, FEATURE_DRAFTERS, MODEL_DRAFTER
 from services.errors import CapacityError, SessionNotFoundError
 from services.loading import check_tokenizers, describe
-from services.loop import StepOutput, finish_step
+from services.loop import PRE_DRAFT_GUESSES, Calls, Results, SpeculativeLoop, StepOutput
 from services.policy import AcceptanceCounts, AdaptiveK, CostModel
 from services.text import TextStream
 from splitspec.v1 import splitspec_pb2 as pb
@@ -167,6 +167,7 @@ class SpecDecodeIngress:
                     step.finish_reason = api.FINISH_STOP_SEQUENCE
                 if step.finish_reason:
                     text += stream.flush()
+                    self.metrics.pre_drafts(plan.stats.pre_drafts, plan.stats.pre_draft_hits)
                 now = time.perf_counter()
                 if i == 0:  # prefill's token
                     self.metrics.first_chunk(now - timer.start, len(ids))
@@ -181,7 +182,7 @@ class SpecDecodeIngress:
             await steps.aclose()  # closes the draft and verify sessions
 
     async def _speculative_decode(self, plan: api.Plan, timer: _Timer) -> AsyncIterator[StepOutput]:
-        """prefill -> (draft -> verify -> accept)*, one StepOutput per step, as services.loop does in-process."""
+        """prefill, then services.loop's SpeculativeLoop over the draft and verify handles, one StepOutput per step."""
         sid, params = plan.session_id, plan.params
         # 1. prefill the target and, in parallel, start the draft session over the same prompt
         #    (a feature drafter starts once prefill has its prompt features; they go by reference)
@@ -220,43 +221,24 @@ class SpecDecodeIngress:
             })
             del handoff  # the last reference here: the object store frees the KV once the verifier holds it
             timer.ttft_ms = timer.ms()
-            generated, step = 0, StepOutput([first_token])
-            accepts = [(0, first_token, None)]  # verdicts the drafter has not seen: it continues from prefill's token
-            costs = self.costs[plan.drafter]
-            policy = AdaptiveK(costs, self.acceptance[plan.drafter], k_max=plan.num_draft_tokens) if plan.adaptive else None
-            while True:
-                step, generated = finish_step(step, generated, plan.max_new_tokens, self.target.eos_token_ids)
-                yield step
-                if step.finish_reason:
-                    return
-                remaining = plan.max_new_tokens - generated
-                if not draft or plan.fallback:
-                    k = 0
-                else:
-                    k = policy.choose(remaining) if policy else min(plan.num_draft_tokens, remaining - 1)
-                # 3. draft k tokens (the drafter first catches up with the verdicts since its last proposal)
-                proposal = None
-                if k > 0:
-                    start = time.perf_counter()
-                    try:
-                        proposal = await self._call("draft", draft.propose.remote(sid, k, accepts))
-                        if len(accepts) == 1:  # the drafter was up to date: the call cost what a step of k costs
-                            costs.observe_propose(k, time.perf_counter() - start)
-                        accepts = []
-                    except Exception as exc:  # noqa: BLE001 - go on with the target alone
-                        self._fall_back(plan, exc, "propose")
-                draft_ids = proposal.token_ids if proposal else []
-                # 4. verify them in one target pass
-                start = time.perf_counter()
-                verdict = await self._call("verify", verify.verify.remote(sid, draft_ids, proposal.probs if proposal else None))
-                costs.observe_verify(len(draft_ids) + 1, time.perf_counter() - start)
-                if policy is not None:
-                    policy.observe(len(draft_ids), verdict.n_matches)
-                # 5. accept: emit the accepted tokens + the recovered or bonus token
-                if draft and not plan.fallback:  # verdicts the drafter will catch up with at its next proposal
-                    accepts.append((verdict.n_matches, verdict.token_ids[-1], verdict.features))
-                step = StepOutput(verdict.token_ids, len(draft_ids), verdict.n_matches, verdict.accepted)
-                plan.stats.add(step)
+            policy = None
+            if plan.adaptive:
+                policy = AdaptiveK(self.costs[plan.drafter], self.acceptance[plan.drafter], k_max=plan.num_draft_tokens)
+            loop = SpeculativeLoop(first_token, max_new_tokens=plan.max_new_tokens, eos=self.target.eos_token_ids,
+                                   num_draft_tokens=plan.num_draft_tokens, drafting=draft is not None and not plan.fallback,
+                                   policy=policy, overlap=plan.overlap, guesses=PRE_DRAFT_GUESSES[plan.drafter])
+            loop.stats = plan.stats
+            steps = loop.run()
+            try:
+                item = next(steps)
+                while True:
+                    if isinstance(item, StepOutput):
+                        yield item
+                        item = next(steps)
+                    else:  # 3.-5. draft, verify, accept (concurrently when pre-drafting)
+                        item = steps.send(await self._execute(item, plan, draft, verify))
+            except StopIteration:
+                return
         finally:
             # close both sessions without waiting (also when the client went away)
             if verify is not None:
@@ -265,6 +247,30 @@ class SpecDecodeIngress:
                 draft.close.remote(sid)
             elif started is not None:
                 self._close_when_started(sid, started)
+
+    async def _execute(self, calls: Calls, plan: api.Plan, draft, verify) -> Results:
+        """Run one round of the loop's stage calls (both at once when it pre-drafts) and time each."""
+        results, sid = Results(), plan.session_id
+
+        async def propose():
+            start = time.perf_counter()
+            accepts = [(a.n_matches, a.next_token, a.features) for a in calls.propose.accepts]
+            try:
+                results.proposal = await self._call("draft", draft.propose.remote(
+                    sid, calls.propose.k, accepts, calls.propose.forced, calls.propose.guesses))
+                results.propose_s = time.perf_counter() - start
+            except Exception as exc:  # noqa: BLE001 - go on with the target alone
+                self._fall_back(plan, exc, "propose")
+                results.draft_failed = True
+
+        async def verify_():
+            start = time.perf_counter()
+            request = verify.verify.remote(sid, calls.verify.draft_ids, calls.verify.probs)
+            results.verdict = await self._call("verify", request)
+            results.verify_s = time.perf_counter() - start
+
+        await asyncio.gather(*([propose()] if calls.propose else []), *([verify_()] if calls.verify else []))
+        return results
 
     async def _call(self, stage: str, response):
         """Await a stage call; a stage that does not answer in time is UNAVAILABLE, not a hang."""

@@ -11,6 +11,8 @@ counters, latencies are histograms, and ratios are computed in PromQL:
     mean acceptance length (tokens emitted per draft-and-verify step, bonus token included):
         (sum(rate(ray_splitspec_accepted_tokens_total[1m])) + sum(rate(ray_splitspec_drafted_steps_total[1m])))
           / sum(rate(ray_splitspec_drafted_steps_total[1m]))
+    pre-draft hit rate (steps whose next block was drafted during verification):
+        sum(rate(ray_splitspec_pre_draft_hits_total[1m])) / sum(rate(ray_splitspec_pre_drafts_total[1m]))
     acceptance by draft position p (share of verify steps whose draft token p was accepted):
         sum by (position) (rate(ray_splitspec_accepted_tokens_by_position_total[1m]))
           / ignoring(position) group_left sum(rate(ray_splitspec_drafted_steps_total[1m]))
@@ -37,6 +39,8 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "splitspec_draft_tokens": ("counter", "Draft tokens proposed and verified.", ()),
     "splitspec_accepted_tokens": ("counter", "Draft tokens the target accepted.", ()),
     "splitspec_accepted_tokens_by_position": ("counter", "Accepted draft tokens by position in the draft (0 = first).", ("position",)),
+    "splitspec_pre_drafts": ("counter", "Verify steps that overlapped a pre-draft (overlap on).", ()),
+    "splitspec_pre_draft_hits": ("counter", "Pre-drafts whose guess was right: the next block was ready with the verdict.", ()),
     "splitspec_kv_handoff_bytes": ("counter", "Bytes of prefill KV handed to verifiers through the object store.", ()),
     "splitspec_drafter_fallbacks": ("counter", "Requests whose speculation was turned off because the draft stage failed.", ("reason",)),
     "splitspec_time_to_first_token_seconds": ("histogram", "Request received -> first token ready.", ()),
@@ -106,6 +110,12 @@ class RequestMetrics:
             for position, ok in enumerate(accepted):
                 if ok:
                     self.m.inc("splitspec_accepted_tokens_by_position", position=str(position))
+
+    def pre_drafts(self, pre_drafts: int, hits: int) -> None:
+        """A request's pre-drafts and hits (counted when it ends)."""
+        if pre_drafts:
+            self.m.inc("splitspec_pre_drafts", pre_drafts)
+            self.m.inc("splitspec_pre_draft_hits", hits)
 
     def stage_call(self, stage: str, seconds: float) -> None:
         self.m.observe("splitspec_stage_latency_seconds", seconds, stage=stage)

@@ -157,12 +157,15 @@ class Draft(_Stage):
         self.opened += 1
         return SessionOpened(*_identity())
 
-    async def propose(self, request_id: str, k: int, accepts: tuple | list = ()) -> DraftProposal:
-        """Accept the verdicts since the last proposal (each ``(n_matches, next_token, features)``), then draft k tokens."""
+    async def propose(self, request_id: str, k: int, accepts: tuple | list = (), forced: tuple | list = (),
+                      guesses: int = 0) -> DraftProposal:
+        """Accept the verdicts since the last proposal (each ``(n_matches, next_token, features)``), then draft k tokens
+        after ``forced`` ones — with ``guesses``, a block of k per likely verdict on them (the block the verifier is
+        checking meanwhile: pre-drafting, services.loop)."""
         def step():
             for accept in accepts:
                 self.engine.accept(request_id, *accept)
-            return self.engine.propose(request_id, k)
+            return self.engine.propose(request_id, k, forced, guesses)
 
         return await self._run(step)
 

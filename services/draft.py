@@ -9,7 +9,10 @@ the target's next token and roll the draft KV back to that prefix
 ``forced`` are tokens taken as drafted without sampling them: the block the
 verifier is checking while the drafter already drafts beyond it (pre-drafting,
 services.loop). They head the session's proposal, so a verdict on them is an
-ordinary ``accept``.
+ordinary ``accept``. ``pre_draft(k, forced, guesses)`` drafts one block of k
+tokens per likely verdict on ``forced`` (a ``Branch``): the whole of it
+accepted and the target's next token one of the drafter's top guesses, or its
+first token rejected and replaced by one of them.
 """
 
 from __future__ import annotations
@@ -35,13 +38,41 @@ MODEL_DRAFTER = "model"
 PROMPT_LOOKUP_DRAFTER = "prompt_lookup"
 DRAFTERS = (MODEL_DRAFTER, PROMPT_LOOKUP_DRAFTER, EAGLE_DRAFTER)
 FEATURE_DRAFTERS = (EAGLE_DRAFTER,)  # drafters that read the target's features of the accepted positions
+MAX_GUESSES = 8  # verdicts pre_draft may draft a block for, per side (accepted / rejected)
 TOKEN_BYTES = 8  # bookkeeping size of a token id in a prompt-lookup session
+
+
+@dataclass
+class Branch:
+    """A block drafted for one verdict on the forced tokens: n_matches of them accepted, then next_token."""
+
+    n_matches: int
+    next_token: int
+    token_ids: list[int]  # [k'] the block after next_token
+    probs: torch.Tensor | None  # [k', vocab_size] q; None = one-hot
 
 
 @dataclass
 class DraftProposal:
     token_ids: list[int]  # [k'] with k' <= k (prompt lookup may find fewer)
     probs: torch.Tensor | None  # [k', vocab_size] draft distributions q; None = one-hot
+    branches: list[Branch] = field(default_factory=list)  # pre_draft's, most likely verdict first
+
+
+def guess_order(logits: torch.Tensor, width: int, exclude: int | None = None) -> list[int]:
+    """The ``width`` most likely ids of ``logits`` [V] (over the full vocabulary), without ``exclude``."""
+    top = torch.topk(logits, min(width + 1, logits.shape[-1])).indices.tolist()
+    return [t for t in top if t != exclude][:width]
+
+
+def branch_keys(prefix_logits: list[torch.Tensor], forced: list[int], guesses: int) -> list[tuple[int, int]]:
+    """(n_matches, next_token) verdicts worth a block: all forced tokens accepted then one of ``guesses`` top ids,
+    or (with forced tokens) the first rejected and replaced by one of ``guesses - 1`` others (``prefix_logits[n]``:
+    the drafter's logits for the token after forced[:n])."""
+    keys = [(len(forced), t) for t in guess_order(prefix_logits[len(forced)], guesses)]
+    if forced and guesses > 1:
+        keys += [(0, t) for t in guess_order(prefix_logits[0], guesses - 1, exclude=forced[0])]
+    return keys
 
 
 @dataclass
@@ -61,11 +92,31 @@ class ModelDraftSession:
 
     def propose(self, k: int, forced: Sequence[int] = ()) -> DraftProposal:
         # the cache always lags the context by >= 1 token, so there are logits to sample from
-        uncached = torch.tensor(self.tokens[self.cache.seq_len :] + list(forced))
+        token_ids, probs = self._sample_chain(torch.tensor(self.tokens[self.cache.seq_len :] + list(forced)), k)
+        self.proposal = list(forced) + token_ids
+        return DraftProposal(token_ids, probs)
+
+    def pre_draft(self, k: int, forced: Sequence[int], guesses: int) -> DraftProposal:
+        """A block of k after each likely verdict on ``forced`` (rolling the KV back to each branch point)."""
+        forced, context_len = list(forced), len(self.tokens)
+        uncached = self.tokens[self.cache.seq_len :] + forced
+        rows = self.runner.forward(torch.tensor(uncached), self.cache)  # [len(uncached), vocab_size]
+        prefix_logits = list(rows[len(rows) - len(forced) - 1 :])  # [len(forced) + 1] x [vocab_size]
+        branches, valid = [], context_len + len(forced)  # rows that still hold the context and forced tokens
+        for n, guess in branch_keys(prefix_logits, forced, guesses):  # deepest branch point first
+            self.cache.crop(context_len + n)  # the context, forced[:n]; the guess goes next
+            valid = min(valid, context_len + n)
+            ids, probs = self._sample_chain(torch.tensor([guess]), k)
+            branches.append(Branch(n, guess, ids, probs))
+        self.cache.crop(valid)
+        self.proposal = forced
+        return DraftProposal([], None, branches)
+
+    def _sample_chain(self, uncached: torch.Tensor, k: int) -> tuple[list[int], torch.Tensor | None]:
         token_ids, q_rows = [], []
         for _ in range(k):
             logits = self.runner.forward(uncached, self.cache, last_only=True)  # [1, vocab_size]
-            if self.params.greedy:  # q is one-hot at the argmax: no need to build it
+            if self.params.greedy:
                 x = logits.argmax(dim=-1)  # [1]
             else:
                 q = logits_to_probs(logits, self.params)  # [1, vocab_size]
@@ -73,9 +124,7 @@ class ModelDraftSession:
                 q_rows.append(q[0])
             token_ids.append(int(x[0]))
             uncached = x
-        self.proposal = list(forced) + token_ids
-        probs = None if self.params.greedy else torch.stack(q_rows)  # [k, vocab_size]
-        return DraftProposal(token_ids, probs)
+        return token_ids, None if self.params.greedy else torch.stack(q_rows)  # [k, vocab_size]
 
     def accept(self, n_matches: int, next_token: int, features: torch.Tensor | None = None) -> None:  # features: unused
         accepted = _check_accept(self.proposal, n_matches)
@@ -101,6 +150,13 @@ class PromptLookupSession:
         found = find_candidates(self.tokens + list(forced), k)
         self.proposal = list(forced) + found
         return DraftProposal(found, None)
+
+    def pre_draft(self, k: int, forced: Sequence[int], guesses: int) -> DraftProposal:
+        """One branch: the n-gram match's next token as the guess, its continuation as the block."""
+        found = find_candidates(self.tokens + list(forced), k + 1)
+        self.proposal = list(forced)
+        branches = [Branch(len(forced), found[0], found[1:], None)] if found else []
+        return DraftProposal([], None, branches)
 
     def accept(self, n_matches: int, next_token: int, features: torch.Tensor | None = None) -> None:  # features: unused
         self.tokens += _check_accept(self.proposal, n_matches) + [int(next_token)]
@@ -181,14 +237,17 @@ class DraftEngine:
         generator = make_generator(params.seed, DRAFT_STREAM)
         self.sessions.put(request_id, ModelDraftSession(self.runner, ids, params, generator, cache))
 
-    def propose(self, request_id: str, k: int, forced: Sequence[int] = ()) -> DraftProposal:
-        """Draft k tokens after the accepted context, or after ``forced`` tokens that follow it (taken as drafted)."""
+    def propose(self, request_id: str, k: int, forced: Sequence[int] = (), guesses: int = 0) -> DraftProposal:
+        """Draft k tokens after the accepted context, or after ``forced`` tokens that follow it (taken as drafted);
+        with ``guesses``, one block of k per likely verdict on the forced tokens instead (``DraftProposal.branches``)."""
         validate_num_draft_tokens(k)
         forced = [int(t) for t in forced]
         if len(forced) > MAX_DRAFT_TOKENS or any(not 0 <= t < self.vocab_size for t in forced):
             raise InvalidRequestError(f"forced draft tokens must be at most {MAX_DRAFT_TOKENS} ids in [0, {self.vocab_size})")
+        if not 0 <= guesses <= MAX_GUESSES:
+            raise InvalidRequestError(f"guesses must be in [0, {MAX_GUESSES}], got {guesses}")
         session = self.sessions.get(request_id)
-        proposal = session.propose(k, forced)
+        proposal = session.pre_draft(k, forced, guesses) if guesses else session.propose(k, forced)
         self.sessions.enforce_limits(keep=request_id)
         return proposal
 

@@ -87,6 +87,7 @@ class EagleDraftSession:
     unpaired: torch.Tensor  # [m, hidden] features of the last m accepted positions, whose next token is not known yet
     state: eagle.HeadSession | None = None
     next_logits: torch.Tensor | None = None  # [N] the head's logits for the first draft token
+    context_g: torch.Tensor | None = None  # [1, h] the feature fed with the first draft token
     proposal: list[int] = field(default_factory=list)
 
     def __post_init__(self):
@@ -100,11 +101,36 @@ class EagleDraftSession:
         from services.draft import DraftProposal
 
         self._catch_up()
-        kept = self.head.kept_ids
-        logits, token_ids, q_rows = self.next_logits, [], []
-        self.state.chain_len = 0  # a new chain from the accepted context
+        logits = self.next_logits
+        self.state.chain_len, self.state.g = 0, self.context_g  # a new chain from the accepted context
         for x in forced:  # through the block being verified, on the head's own predicted features
             logits = self.state.chain_logits(x)
+        token_ids, probs = self._sample_chain(logits, k)
+        self.proposal = list(forced) + token_ids
+        return DraftProposal(token_ids, probs)  # q: [k, vocab_size]
+
+    def pre_draft(self, k: int, forced: Sequence[int], guesses: int):
+        """A block of k after each likely verdict on ``forced``: the chain forks at the branch point's row and feature."""
+        from services.draft import Branch, DraftProposal, branch_keys
+
+        self._catch_up()
+        kept, state = self.head.kept_ids, self.state
+        state.chain_len, state.g = 0, self.context_g
+        forks = [(self.next_logits, state.g)]  # per prefix forced[:n]: logits of the next token, the feature fed with it
+        for x in forced:
+            forks.append((state.chain_logits(x), state.g))
+        prefix_logits = [scatter_kept(logits[None], kept, self.vocab_size)[0] for logits, _ in forks]  # [V] each
+        branches = []
+        for n, guess in sorted(branch_keys(prefix_logits, list(forced), guesses), key=lambda key: -key[0]):
+            state.chain_len, state.g = n, forks[n][1]  # rows of forced[:n] stay; deeper forks are done first
+            ids, probs = self._sample_chain(state.chain_logits(guess), k)
+            branches.append(Branch(n, guess, ids, probs))
+        self.proposal = list(forced)
+        return DraftProposal([], None, sorted(branches, key=lambda b: -b.n_matches))
+
+    def _sample_chain(self, logits: torch.Tensor, k: int) -> tuple[list[int], torch.Tensor | None]:
+        """k tokens sampled from the chain, starting from ``logits`` [N] over the kept ids."""
+        kept, token_ids, q_rows = self.head.kept_ids, [], []
         for i in range(k):
             if self.params.greedy:
                 x = int(kept[logits.argmax()])
@@ -115,8 +141,7 @@ class EagleDraftSession:
             token_ids.append(x)
             if i + 1 < k:
                 logits = self.state.chain_logits(x)
-        self.proposal = list(forced) + token_ids
-        return DraftProposal(token_ids, None if self.params.greedy else torch.stack(q_rows))  # q: [k, vocab_size]
+        return token_ids, None if self.params.greedy else torch.stack(q_rows)  # [k, vocab_size]
 
     def accept(self, n_matches: int, next_token: int, features: torch.Tensor | None = None) -> None:
         """Keep n_matches drafts and the target's token; ``features`` [n_matches + 1, hidden] are the verdict's.
@@ -149,6 +174,7 @@ class EagleDraftSession:
         if m == 0 or missing > 0:
             raise InvalidRequestError("the EAGLE drafter needs the target's features of every accepted token")
         self.next_logits = self.state.extend_logits(self.unpaired, torch.tensor(self.tokens[-m:]))
+        self.context_g = self.state.g
         self.unpaired = self.unpaired[:0]
 
 

@@ -14,12 +14,13 @@ over the stage handles (deployments/ingress.py).
         else: item = steps.send(execute(item))   # item: Calls -> Results
 
 Pre-drafting (``overlap=True``, PEARL's post-verify, arXiv 2408.11850):
-while the verifier checks block i, the drafter already drafts beyond it,
-taking block i as accepted and guessing the target's next token g. If the
-verdict accepts the whole block and its bonus token is g (a *hit*), the tokens
-drafted after g are the next block, verified at once; otherwise (a *miss*) the
-next step verifies no block, the target decoding one token, while the drafter
-drafts from the corrected token. The drafter never waits for a verdict and the
+while the verifier checks block i, the drafter already drafts beyond it: a
+block after each likely verdict — block i accepted and the target's next token
+one of the drafter's top guesses, or block i's first token rejected and
+replaced by one of them (SSD / Saguaro's speculation cache, arXiv 2603.03251).
+If the verdict is one of these (a *hit*), its block is verified at once;
+otherwise (a *miss*) the next step verifies no block, the target decoding one
+token, while the drafter drafts from the corrected token. The drafter never waits for a verdict and the
 verifier never waits for the drafter. Lossless: a block is verified with the
 q it was sampled from, in the context it was drafted for (a hit means that
 context is the real one), and whether it is used depends only on the target's
@@ -36,13 +37,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-from services.draft import FEATURE_DRAFTERS, MODEL_DRAFTER, DraftEngine, DraftProposal
+from services.draft import EAGLE_DRAFTER, FEATURE_DRAFTERS, MODEL_DRAFTER, PROMPT_LOOKUP_DRAFTER, DraftEngine, DraftProposal
 from services.policy import AdaptiveK
 from services.prefill import PrefillEngine
 from services.sampling import SamplingParams
 from services.validation import MAX_DRAFT_TOKENS, validate_max_new_tokens, validate_num_draft_tokens, validate_prompt
 from services.verify import VerifyEngine, VerifyResult
 
+# Top guesses of the target's next token a pre-draft drafts a block after, per drafter: what the drafter affords
+# during one verify pass (an EAGLE chain step is ~1/8 of a target step, a draft-model step ~1/3).
+PRE_DRAFT_GUESSES = {EAGLE_DRAFTER: 3, MODEL_DRAFTER: 1, PROMPT_LOOKUP_DRAFTER: 1}
 FINISH_STOP = "stop"  # an end-of-sequence token was generated
 FINISH_LENGTH = "length"  # max_new_tokens reached
 
@@ -128,6 +132,7 @@ class Propose:
     k: int
     accepts: list[Accept]
     forced: list[int] = field(default_factory=list)
+    guesses: int = 0  # > 0: pre-draft, a block of k per likely verdict on ``forced`` (DraftProposal.branches)
 
 
 @dataclass
@@ -157,7 +162,7 @@ class SpeculativeLoop:
     """The decisions of one request's decode loop, free of I/O (see the module docstring)."""
 
     def __init__(self, first_token: int, *, max_new_tokens: int, eos: set[int], num_draft_tokens: int,
-                 drafting: bool, policy: AdaptiveK | None = None, overlap: bool = False):
+                 drafting: bool, policy: AdaptiveK | None = None, overlap: bool = False, guesses: int = 1):
         self.first_token = first_token
         self.max_new_tokens = max_new_tokens
         self.eos = eos
@@ -165,6 +170,7 @@ class SpeculativeLoop:
         self.drafting = drafting  # turned off for good by a draft-stage failure
         self.policy = policy
         self.overlap = overlap
+        self.guesses = guesses  # top guesses of the target's next token that a pre-draft drafts a block after
         self.stats = SpeculationStats()
 
     def run(self) -> Generator[StepOutput | Calls, Results | None, None]:
@@ -181,9 +187,9 @@ class SpeculativeLoop:
             pre_draft = None
             if self.drafting and self.overlap:
                 block, block_probs = block[: remaining - 1], block_probs[: remaining - 1] if block_probs is not None else None
-                # draft the guess g and the block after it, while the verifier checks this block
-                k_after = max(0, min(self._choose_k(remaining), remaining - len(block) - 2, MAX_DRAFT_TOKENS - 1))
-                pre_draft = Propose(1 + k_after, accepts, list(block))
+                # draft a block after each likely verdict on this block, while the verifier checks it
+                k_after = max(1, min(self._choose_k(remaining), MAX_DRAFT_TOKENS))
+                pre_draft = Propose(k_after, accepts, list(block), self.guesses)
             elif self.drafting:
                 k = self._choose_k(remaining)
                 block, block_probs = [], None
@@ -213,11 +219,11 @@ class SpeculativeLoop:
             block, block_probs = [], None
             if pre_draft is not None and self.drafting:
                 self.stats.pre_drafts += 1
-                guess = results.proposal.token_ids
-                if verdict.n_matches == len(pre_draft.forced) and guess and verdict.token_ids[-1] == guess[0]:
-                    self.stats.pre_draft_hits += 1  # the block drafted after g is next
-                    block = guess[1:]
-                    block_probs = results.proposal.probs[1:] if results.proposal.probs is not None else None
+                branch = next((b for b in results.proposal.branches
+                               if (b.n_matches, b.next_token) == (verdict.n_matches, verdict.token_ids[-1])), None)
+                if branch is not None:  # the verdict was one the drafter guessed: its block is next
+                    self.stats.pre_draft_hits += 1
+                    block, block_probs = branch.token_ids, branch.probs
 
     def _choose_k(self, remaining: int) -> int:
         if self.policy is not None:
@@ -255,13 +261,15 @@ def speculative_decode(
     request_id: str | None = None,
     policy: AdaptiveK | None = None,
     overlap: bool = False,
+    guesses: int | None = None,
     stats: SpeculationStats | None = None,
 ) -> Iterator[StepOutput]:
     """Yield each step's new tokens until EOS or ``max_new_tokens``. ``draft=None`` turns speculation off.
 
     ``policy`` picks k for every step (0 included; services.policy) from the costs it measures here; without one,
     k is ``num_draft_tokens`` throughout. With ``overlap`` the drafter pre-drafts in a second thread while the
-    target verifies (torch releases the GIL in its kernels). ``stats``, if given, is filled as the loop runs.
+    target verifies (torch releases the GIL in its kernels), ``guesses`` of the target's next token each (default:
+    ``PRE_DRAFT_GUESSES`` of the drafter). ``stats``, if given, is filled as the loop runs.
     """
     request_id = request_id or uuid.uuid4().hex
     target = prefill.target
@@ -281,7 +289,7 @@ def speculative_decode(
         verify.open(request_id, result.payload, result.first_token, params, features=features)
         loop = SpeculativeLoop(result.first_token, max_new_tokens=max_new_tokens, eos=target.eos_token_ids,
                                num_draft_tokens=num_draft_tokens, drafting=draft is not None, policy=policy,
-                               overlap=overlap)
+                               overlap=overlap, guesses=guesses or PRE_DRAFT_GUESSES[drafter])
         if stats is not None:
             loop.stats = stats
         yield from drive(loop, draft, verify, request_id, pool)
@@ -316,7 +324,7 @@ def _execute(calls: Calls, draft: DraftEngine, verify: VerifyEngine, request_id:
         start = time.perf_counter()
         for a in calls.propose.accepts:
             draft.accept(request_id, a.n_matches, a.next_token, a.features)
-        results.proposal = draft.propose(request_id, calls.propose.k, calls.propose.forced)
+        results.proposal = draft.propose(request_id, calls.propose.k, calls.propose.forced, calls.propose.guesses)
         results.propose_s = time.perf_counter() - start
 
     drafting = None

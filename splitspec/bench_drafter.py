@@ -34,7 +34,7 @@ import torch
 from services.draft import EAGLE_DRAFTER, MODEL_DRAFTER, DraftEngine
 from services.eagle_draft import installed_head
 from services.loading import LoadedModel
-from services.loop import GenerationResult, generate
+from services.loop import GenerationResult, SpeculationStats, generate
 from services.models.distill import chat_ids
 from services.models.prompts import held_out_prompts
 from services.prefill import PrefillEngine
@@ -80,12 +80,12 @@ def _run_k(k: int, engines, prompts, references, *, max_new_tokens: int, t_targe
 
         identical &= _timed(arm, run_one) == ref
         results.append(result)
-    drafted = sum(r.stats.drafted for r in results)
-    accepted = sum(r.stats.accepted for r in results)
-    steps = sum(r.stats.steps for r in results)
+    stats = SpeculationStats()
+    for r in results:
+        stats.merge(r.stats)
     t_draft_token = statistics.median(costs.draft_token_s[drafts.drafter][n_proposals:])
     t_verify = statistics.median(costs.verify_s[k + 1][n_verify:])
-    mean_len = (accepted + steps) / steps
+    mean_len = stats.mean_accepted_length
     c, v_k = t_draft_token / t_target_step, t_verify / t_target_step
     model_sequential, model_overlapped = model_speedups(mean_len, k, c, v_k)
     min_draft, min_verify = min(costs.draft_token_s[drafts.drafter][n_proposals:]), costs.min_verify()
@@ -97,7 +97,7 @@ def _run_k(k: int, engines, prompts, references, *, max_new_tokens: int, t_targe
     return {
         "k": k,
         "acceptance_by_position": [round(a, 4) for a in acceptance_by_position(results, k)],
-        "acceptance_rate": round(accepted / drafted, 4) if drafted else 0.0,
+        "acceptance_rate": round(stats.acceptance_rate, 4),
         "mean_accepted_length": round(mean_len, 3),
         "t_draft_token_ms": round(t_draft_token * 1000, 3),
         "t_verify_ms": round(t_verify * 1000, 3),

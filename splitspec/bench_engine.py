@@ -167,7 +167,7 @@ def run(
     runs, traces = [], []
     for drafter, k in configs:
         hf_arm, ours = Arm("transformers assisted"), Arm("splitspec loop")
-        identical, drafted, accepted, steps, trace = True, 0, 0, 0, []
+        identical, stats, trace = True, SpeculationStats(), []
         drafts.drafter = drafter
         for ids, ref in zip(prompts, references):
             if drafter == EAGLE_DRAFTER or k == ADAPTIVE:
@@ -192,12 +192,9 @@ def run(
 
             tokens = _timed(ours, ours_fn)
             identical &= tokens == ref
-            drafted += result.stats.drafted
-            accepted += result.stats.accepted
-            steps += result.stats.steps
+            stats.merge(result.stats)
             trace.append(result)
-        alpha = accepted / drafted if drafted else 0.0
-        mean_len = (accepted + steps) / steps if steps else 0.0
+        alpha, mean_len = stats.acceptance_rate, stats.mean_accepted_length
         row = {
             "drafter": drafter,
             "k": "adaptive" if k == ADAPTIVE else k,

@@ -21,6 +21,9 @@ POLICIES = {
     "eagle k=2": dict(speculate=True, drafter="eagle", num_draft_tokens=2),
     "eagle k=3": dict(speculate=True, drafter="eagle", num_draft_tokens=3),
     "prompt_lookup k=3": dict(speculate=True, drafter="prompt_lookup", num_draft_tokens=3),
+    "eagle k=1 overlap": dict(speculate=True, drafter="eagle", num_draft_tokens=1, overlap=True),
+    "eagle k=2 overlap": dict(speculate=True, drafter="eagle", num_draft_tokens=2, overlap=True),
+    "model k=1 overlap": dict(speculate=True, drafter="model", num_draft_tokens=1, overlap=True),
 }
 PROMPT_SETS = ("held_out", "everyday")
 
@@ -40,7 +43,8 @@ def run(client: SpecDecodeClient, *, num_prompts: int = 8, max_new_tokens: int =
     for policy in POLICIES.values():  # warm every stage and kernel before timing
         for prompt in prompts[:warmup]:
             client.generate(messages=[("user", prompt)], max_new_tokens=8, **policy)
-    totals = {name: {"tokens": 0, "seconds": 0.0, "drafted": 0, "accepted": 0, "steps": 0, "ttft_ms": []} for name in POLICIES}
+    totals = {name: {"tokens": 0, "seconds": 0.0, "drafted": 0, "accepted": 0, "steps": 0, "pre_drafts": 0, "hits": 0,
+                     "ttft_ms": []} for name in POLICIES}
     answers: dict[str, list[list[int]]] = {name: [] for name in POLICIES}
     for prompt in prompts:
         for name, policy in POLICIES.items():
@@ -53,6 +57,8 @@ def run(client: SpecDecodeClient, *, num_prompts: int = 8, max_new_tokens: int =
             t["drafted"] += s.drafted
             t["accepted"] += s.accepted
             t["steps"] += s.steps
+            t["pre_drafts"] += s.pre_drafts
+            t["hits"] += s.pre_draft_hits
             t["ttft_ms"].append(response.timings.ttft_ms)
             answers[name].append(list(response.token_ids))
     report = {"prompts": len(prompts), "prompt_set": prompt_set, "max_new_tokens": max_new_tokens, "policies": {}}
@@ -64,6 +70,7 @@ def run(client: SpecDecodeClient, *, num_prompts: int = 8, max_new_tokens: int =
             "ratio_vs_off": round(tok_s / off, 3),
             "acceptance_rate": round(t["accepted"] / t["drafted"], 3) if t["drafted"] else None,
             "mean_accepted_length": round((t["accepted"] + t["steps"]) / t["steps"], 3) if t["steps"] else None,
+            "overlap_hit_rate": round(t["hits"] / t["pre_drafts"], 3) if t["pre_drafts"] else None,
             "median_ttft_ms": round(sorted(t["ttft_ms"])[len(t["ttft_ms"]) // 2], 1),
         }
     report["greedy_identical"] = all(answers[name] == answers["off"] for name in POLICIES)

@@ -75,7 +75,7 @@ def _write_report(args, report: dict) -> int:
 def cmd_generate_local(args) -> int:
     from services.draft import EAGLE_DRAFTER, MODEL_DRAFTER, DraftEngine
     from services.eagle_draft import installed_head
-    from services.loop import speculative_decode
+    from services.loop import SpeculationStats, speculative_decode
     from services.policy import DEFAULT_MAX_DRAFT_TOKENS, AdaptiveK, CostModel
     from services.models.distill import chat_ids
     from services.prefill import PrefillEngine
@@ -90,16 +90,15 @@ def cmd_generate_local(args) -> int:
     drafter = args.drafter or (EAGLE_DRAFTER if draft_engine and EAGLE_DRAFTER in draft_engine.drafters else MODEL_DRAFTER)
     policy = AdaptiveK(CostModel()) if args.k is None else None  # no --k: adaptive, as the server's default
     engines = PrefillEngine(target), draft_engine, VerifyEngine(target)
-    tokens, drafted, accepted = [], 0, 0
+    tokens, stats = [], SpeculationStats()
     for step in speculative_decode(*engines, ids, max_new_tokens=args.max_new_tokens, num_draft_tokens=args.k or DEFAULT_MAX_DRAFT_TOKENS,
-                                   params=params, drafter=drafter, policy=policy):
+                                   params=params, drafter=drafter, policy=policy, overlap=bool(args.overlap), stats=stats):
         before = target.tokenizer.decode(tokens, skip_special_tokens=True)
         tokens += step.token_ids
         sys.stdout.write(target.tokenizer.decode(tokens, skip_special_tokens=True)[len(before):])
         sys.stdout.flush()
-        drafted, accepted = drafted + step.n_drafted, accepted + step.n_matches
-    rate = accepted / drafted if drafted else 0.0
-    print(f"\n\n[{len(tokens)} tokens, drafted {drafted}, accepted {accepted} ({rate:.0%})]")
+    hits = f", pre-draft hits {stats.hit_rate:.0%}" if stats.pre_drafts else ""
+    print(f"\n\n[{len(tokens)} tokens, drafted {stats.drafted}, accepted {stats.accepted} ({stats.acceptance_rate:.0%}){hits}]")
     return 0
 
 
@@ -181,7 +180,7 @@ def cmd_generate(args) -> int:
     kwargs = dict(
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
         seed=args.seed, stop=args.stop or (), num_draft_tokens=args.k or 0, drafter=args.drafter or "",
-        speculate=False if args.k == 0 else None,
+        speculate=False if args.k == 0 else None, overlap=args.overlap,
     )
     if args.raw:
         kwargs["prompt"] = args.prompt
@@ -200,6 +199,8 @@ def cmd_generate(args) -> int:
     s, t = last.speculation_stats, last.timings
     rate = s.accepted / s.drafted if s.drafted else 0.0
     k = f"adaptive k <= {s.num_draft_tokens}" if s.adaptive else f"k={s.num_draft_tokens}"
+    if s.overlap:
+        k += f", overlap (pre-draft hits {s.pre_draft_hits}/{s.pre_drafts})"
     mode = f"drafter {s.drafter}, {k}" if s.enabled else "speculation off"
     print(f"\n\n[{last.usage.completion_tokens} tokens in {t.total_ms / 1000:.2f}s; {mode}; steps {s.steps}, "
           f"drafted {s.drafted}, accepted {s.accepted} ({rate:.0%}); ttft {t.ttft_ms:.0f} ms, "
@@ -326,6 +327,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-new-tokens", type=int, default=128)
     gen.add_argument("--k", type=int, default=None, help="draft tokens per step (0 = speculation off; default: server's)")
     gen.add_argument("--drafter", choices=["model", "eagle", "prompt_lookup"], help="default: the server's")
+    gen.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
+                     help="pre-draft while the target verifies (default: the server's)")
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=None)
     gen.add_argument("--top-k", type=int, default=0)

@@ -26,6 +26,7 @@ def make_request(
     speculate: bool | None = None,
     num_draft_tokens: int = 0,
     drafter: str = "",
+    overlap: bool | None = None,
     stream: bool = False,
 ):
     """A GenerateRequest (or GenerateStreamRequest with ``stream``) from keyword arguments."""
@@ -39,6 +40,8 @@ def make_request(
         stop=list(stop),
         speculation=pb.SpeculationPolicy(mode=MODES[speculate], num_draft_tokens=num_draft_tokens, drafter=drafter),
     )
+    if overlap is not None:
+        request.speculation.overlap = overlap
     if max_new_tokens is not None:
         request.max_new_tokens = max_new_tokens
     if top_p is not None:

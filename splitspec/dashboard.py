@@ -62,6 +62,10 @@ PANELS = [
         ("position {{position}}", f"sum by (position) (rate(ray_splitspec_accepted_tokens_by_position_total{{{APP}}}[{RATE}])) "
                                   f"/ ignoring(position) group_left sum(rate(ray_splitspec_drafted_steps_total{{{APP}}}[{RATE}]))"),
     ), "Share of drafts whose token at this position was accepted."),
+    Panel("Pre-draft hit rate", "percentunit", (
+        ("hits / pre-drafts", f"sum(rate(ray_splitspec_pre_draft_hits_total{{{APP}}}[{RATE}])) / "
+                              f"sum(rate(ray_splitspec_pre_drafts_total{{{APP}}}[{RATE}]))"),
+    ), "With overlap on: share of verify steps whose next block the drafter had ready when the verdict came."),
     Panel("Tokens generated per second", "short", (
         ("generated", f"sum(rate(ray_splitspec_generated_tokens_total{{{APP}}}[{RATE}]))"),
         ("verify steps", f"sum(rate(ray_splitspec_verify_steps_total{{{APP}}}[{RATE}]))"),

@@ -24,35 +24,35 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1csplitspec/v1/splitspec.proto\x12\x0csplitspec.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xab\x01\n\x11SpeculationPolicy\x12\x32\n\x04mode\x18\x01 \x01(\x0e\x32$.splitspec.v1.SpeculationPolicy.Mode\x12\x18\n\x10num_draft_tokens\x18\x02 \x01(\r\x12\x0f\n\x07\x64rafter\x18\x03 \x01(\t\"7\n\x04Mode\x12\x14\n\x10MODE_UNSPECIFIED\x10\x00\x12\x0b\n\x07MODE_ON\x10\x01\x12\x0c\n\x08MODE_OFF\x10\x02\"\xb4\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12+\n\x08messages\x18\x03 \x03(\x0b\x32\x19.splitspec.v1.ChatMessage\x12\x1b\n\x0emax_new_tokens\x18\x04 \x01(\rH\x00\x88\x01\x01\x12\x13\n\x0btemperature\x18\x05 \x01(\x02\x12\r\n\x05top_k\x18\x06 \x01(\r\x12\x12\n\x05top_p\x18\x07 \x01(\x02H\x01\x88\x01\x01\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x02\x88\x01\x01\x12\x0c\n\x04stop\x18\t \x03(\t\x12\x34\n\x0bspeculation\x18\n \x01(\x0b\x32\x1f.splitspec.v1.SpeculationPolicyB\x11\n\x0f_max_new_tokensB\x08\n\x06_top_pB\x07\n\x05_seed\"\xba\x02\n\x15GenerateStreamRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12+\n\x08messages\x18\x03 \x03(\x0b\x32\x19.splitspec.v1.ChatMessage\x12\x1b\n\x0emax_new_tokens\x18\x04 \x01(\rH\x00\x88\x01\x01\x12\x13\n\x0btemperature\x18\x05 \x01(\x02\x12\r\n\x05top_k\x18\x06 \x01(\r\x12\x12\n\x05top_p\x18\x07 \x01(\x02H\x01\x88\x01\x01\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x02\x88\x01\x01\x12\x0c\n\x04stop\x18\t \x03(\t\x12\x34\n\x0bspeculation\x18\n \x01(\x0b\x32\x1f.splitspec.v1.SpeculationPolicyB\x11\n\x0f_max_new_tokensB\x08\n\x06_top_pB\x07\n\x05_seed\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"\xc4\x01\n\x10SpeculationStats\x12\r\n\x05steps\x18\x01 \x01(\r\x12\x0f\n\x07\x64rafted\x18\x02 \x01(\r\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x03 \x01(\r\x12\x1d\n\x15\x61\x63\x63\x65pted_per_position\x18\x04 \x03(\r\x12\x0f\n\x07\x65nabled\x18\x05 \x01(\x08\x12\x0f\n\x07\x64rafter\x18\x06 \x01(\t\x12\x18\n\x10num_draft_tokens\x18\x07 \x01(\r\x12\x11\n\tfell_back\x18\x08 \x01(\x08\x12\x10\n\x08\x61\x64\x61ptive\x18\t \x01(\x08\"W\n\x07Timings\x12\x0f\n\x07ttft_ms\x18\x01 \x01(\x01\x12\x10\n\x08total_ms\x18\x02 \x01(\x01\x12\x12\n\nprefill_ms\x18\x03 \x01(\x01\x12\x15\n\rkv_handoff_ms\x18\x04 \x01(\x01\"\x81\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x31\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1a.splitspec.v1.FinishReason\x12\"\n\x05usage\x18\x05 \x01(\x0b\x32\x13.splitspec.v1.Usage\x12\x39\n\x11speculation_stats\x18\x06 \x01(\x0b\x32\x1e.splitspec.v1.SpeculationStats\x12&\n\x07timings\x18\x07 \x01(\x0b\x32\x15.splitspec.v1.Timings\"\xb8\x02\n\x16GenerateStreamResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x04 \x01(\r\x12\x31\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1a.splitspec.v1.FinishReason\x12\"\n\x05usage\x18\x06 \x01(\x0b\x32\x13.splitspec.v1.Usage\x12\x39\n\x11speculation_stats\x18\x07 \x01(\x0b\x32\x1e.splitspec.v1.SpeculationStats\x12&\n\x07timings\x18\x08 \x01(\x0b\x32\x15.splitspec.v1.Timings\x12\x16\n\x0e\x64rafted_tokens\x18\t \x01(\r*\x80\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1f\n\x1b\x46INISH_REASON_STOP_SEQUENCE\x10\x03\x32\xb6\x01\n\nSpecDecode\x12I\n\x08Generate\x12\x1d.splitspec.v1.GenerateRequest\x1a\x1e.splitspec.v1.GenerateResponse\x12]\n\x0eGenerateStream\x12#.splitspec.v1.GenerateStreamRequest\x1a$.splitspec.v1.GenerateStreamResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1csplitspec/v1/splitspec.proto\x12\x0csplitspec.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xcd\x01\n\x11SpeculationPolicy\x12\x32\n\x04mode\x18\x01 \x01(\x0e\x32$.splitspec.v1.SpeculationPolicy.Mode\x12\x18\n\x10num_draft_tokens\x18\x02 \x01(\r\x12\x0f\n\x07\x64rafter\x18\x03 \x01(\t\x12\x14\n\x07overlap\x18\x04 \x01(\x08H\x00\x88\x01\x01\"7\n\x04Mode\x12\x14\n\x10MODE_UNSPECIFIED\x10\x00\x12\x0b\n\x07MODE_ON\x10\x01\x12\x0c\n\x08MODE_OFF\x10\x02\x42\n\n\x08_overlap\"\xb4\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12+\n\x08messages\x18\x03 \x03(\x0b\x32\x19.splitspec.v1.ChatMessage\x12\x1b\n\x0emax_new_tokens\x18\x04 \x01(\rH\x00\x88\x01\x01\x12\x13\n\x0btemperature\x18\x05 \x01(\x02\x12\r\n\x05top_k\x18\x06 \x01(\r\x12\x12\n\x05top_p\x18\x07 \x01(\x02H\x01\x88\x01\x01\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x02\x88\x01\x01\x12\x0c\n\x04stop\x18\t \x03(\t\x12\x34\n\x0bspeculation\x18\n \x01(\x0b\x32\x1f.splitspec.v1.SpeculationPolicyB\x11\n\x0f_max_new_tokensB\x08\n\x06_top_pB\x07\n\x05_seed\"\xba\x02\n\x15GenerateStreamRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12+\n\x08messages\x18\x03 \x03(\x0b\x32\x19.splitspec.v1.ChatMessage\x12\x1b\n\x0emax_new_tokens\x18\x04 \x01(\rH\x00\x88\x01\x01\x12\x13\n\x0btemperature\x18\x05 \x01(\x02\x12\r\n\x05top_k\x18\x06 \x01(\r\x12\x12\n\x05top_p\x18\x07 \x01(\x02H\x01\x88\x01\x01\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x02\x88\x01\x01\x12\x0c\n\x04stop\x18\t \x03(\t\x12\x34\n\x0bspeculation\x18\n \x01(\x0b\x32\x1f.splitspec.v1.SpeculationPolicyB\x11\n\x0f_max_new_tokensB\x08\n\x06_top_pB\x07\n\x05_seed\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"\x81\x02\n\x10SpeculationStats\x12\r\n\x05steps\x18\x01 \x01(\r\x12\x0f\n\x07\x64rafted\x18\x02 \x01(\r\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x03 \x01(\r\x12\x1d\n\x15\x61\x63\x63\x65pted_per_position\x18\x04 \x03(\r\x12\x0f\n\x07\x65nabled\x18\x05 \x01(\x08\x12\x0f\n\x07\x64rafter\x18\x06 \x01(\t\x12\x18\n\x10num_draft_tokens\x18\x07 \x01(\r\x12\x11\n\tfell_back\x18\x08 \x01(\x08\x12\x10\n\x08\x61\x64\x61ptive\x18\t \x01(\x08\x12\x12\n\npre_drafts\x18\n \x01(\r\x12\x16\n\x0epre_draft_hits\x18\x0b \x01(\r\x12\x0f\n\x07overlap\x18\x0c \x01(\x08\"W\n\x07Timings\x12\x0f\n\x07ttft_ms\x18\x01 \x01(\x01\x12\x10\n\x08total_ms\x18\x02 \x01(\x01\x12\x12\n\nprefill_ms\x18\x03 \x01(\x01\x12\x15\n\rkv_handoff_ms\x18\x04 \x01(\x01\"\x81\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x31\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1a.splitspec.v1.FinishReason\x12\"\n\x05usage\x18\x05 \x01(\x0b\x32\x13.splitspec.v1.Usage\x12\x39\n\x11speculation_stats\x18\x06 \x01(\x0b\x32\x1e.splitspec.v1.SpeculationStats\x12&\n\x07timings\x18\x07 \x01(\x0b\x32\x15.splitspec.v1.Timings\"\xb8\x02\n\x16GenerateStreamResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x04 \x01(\r\x12\x31\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1a.splitspec.v1.FinishReason\x12\"\n\x05usage\x18\x06 \x01(\x0b\x32\x13.splitspec.v1.Usage\x12\x39\n\x11speculation_stats\x18\x07 \x01(\x0b\x32\x1e.splitspec.v1.SpeculationStats\x12&\n\x07timings\x18\x08 \x01(\x0b\x32\x15.splitspec.v1.Timings\x12\x16\n\x0e\x64rafted_tokens\x18\t \x01(\r*\x80\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1f\n\x1b\x46INISH_REASON_STOP_SEQUENCE\x10\x03\x32\xb6\x01\n\nSpecDecode\x12I\n\x08Generate\x12\x1d.splitspec.v1.GenerateRequest\x1a\x1e.splitspec.v1.GenerateResponse\x12]\n\x0eGenerateStream\x12#.splitspec.v1.GenerateStreamRequest\x1a$.splitspec.v1.GenerateStreamResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'splitspec.v1.splitspec_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=1817
-  _globals['_FINISHREASON']._serialized_end=1945
+  _globals['_FINISHREASON']._serialized_start=1912
+  _globals['_FINISHREASON']._serialized_end=2040
   _globals['_CHATMESSAGE']._serialized_start=46
   _globals['_CHATMESSAGE']._serialized_end=90
   _globals['_SPECULATIONPOLICY']._serialized_start=93
-  _globals['_SPECULATIONPOLICY']._serialized_end=264
-  _globals['_SPECULATIONPOLICY_MODE']._serialized_start=209
-  _globals['_SPECULATIONPOLICY_MODE']._serialized_end=264
-  _globals['_GENERATEREQUEST']._serialized_start=267
-  _globals['_GENERATEREQUEST']._serialized_end=575
-  _globals['_GENERATESTREAMREQUEST']._serialized_start=578
-  _globals['_GENERATESTREAMREQUEST']._serialized_end=892
-  _globals['_USAGE']._serialized_start=894
-  _globals['_USAGE']._serialized_end=951
-  _globals['_SPECULATIONSTATS']._serialized_start=954
-  _globals['_SPECULATIONSTATS']._serialized_end=1150
-  _globals['_TIMINGS']._serialized_start=1152
-  _globals['_TIMINGS']._serialized_end=1239
-  _globals['_GENERATERESPONSE']._serialized_start=1242
-  _globals['_GENERATERESPONSE']._serialized_end=1499
-  _globals['_GENERATESTREAMRESPONSE']._serialized_start=1502
-  _globals['_GENERATESTREAMRESPONSE']._serialized_end=1814
-  _globals['_SPECDECODE']._serialized_start=1948
-  _globals['_SPECDECODE']._serialized_end=2130
+  _globals['_SPECULATIONPOLICY']._serialized_end=298
+  _globals['_SPECULATIONPOLICY_MODE']._serialized_start=231
+  _globals['_SPECULATIONPOLICY_MODE']._serialized_end=286
+  _globals['_GENERATEREQUEST']._serialized_start=301
+  _globals['_GENERATEREQUEST']._serialized_end=609
+  _globals['_GENERATESTREAMREQUEST']._serialized_start=612
+  _globals['_GENERATESTREAMREQUEST']._serialized_end=926
+  _globals['_USAGE']._serialized_start=928
+  _globals['_USAGE']._serialized_end=985
+  _globals['_SPECULATIONSTATS']._serialized_start=988
+  _globals['_SPECULATIONSTATS']._serialized_end=1245
+  _globals['_TIMINGS']._serialized_start=1247
+  _globals['_TIMINGS']._serialized_end=1334
+  _globals['_GENERATERESPONSE']._serialized_start=1337
+  _globals['_GENERATERESPONSE']._serialized_end=1594
+  _globals['_GENERATESTREAMRESPONSE']._serialized_start=1597
+  _globals['_GENERATESTREAMRESPONSE']._serialized_end=1909
+  _globals['_SPECDECODE']._serialized_start=2043
+  _globals['_SPECDECODE']._serialized_end=2225
 # @@protoc_insertion_point(module_scope)

@@ -27,7 +27,7 @@ class ChatMessage(_message.Message):
     def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
 
 class SpeculationPolicy(_message.Message):
-    __slots__ = ("mode", "num_draft_tokens", "drafter")
+    __slots__ = ("mode", "num_draft_tokens", "drafter", "overlap")
     class Mode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         MODE_UNSPECIFIED: _ClassVar[SpeculationPolicy.Mode]
@@ -39,10 +39,12 @@ class SpeculationPolicy(_message.Message):
     MODE_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DRAFTER_FIELD_NUMBER: _ClassVar[int]
+    OVERLAP_FIELD_NUMBER: _ClassVar[int]
     mode: SpeculationPolicy.Mode
     num_draft_tokens: int
     drafter: str
-    def __init__(self, mode: _Optional[_Union[SpeculationPolicy.Mode, str]] = ..., num_draft_tokens: _Optional[int] = ..., drafter: _Optional[str] = ...) -> None: ...
+    overlap: bool
+    def __init__(self, mode: _Optional[_Union[SpeculationPolicy.Mode, str]] = ..., num_draft_tokens: _Optional[int] = ..., drafter: _Optional[str] = ..., overlap: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("request_id", "prompt", "messages", "max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop", "speculation")
@@ -101,7 +103,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
 
 class SpeculationStats(_message.Message):
-    __slots__ = ("steps", "drafted", "accepted", "accepted_per_position", "enabled", "drafter", "num_draft_tokens", "fell_back", "adaptive")
+    __slots__ = ("steps", "drafted", "accepted", "accepted_per_position", "enabled", "drafter", "num_draft_tokens", "fell_back", "adaptive", "pre_drafts", "pre_draft_hits", "overlap")
     STEPS_FIELD_NUMBER: _ClassVar[int]
     DRAFTED_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
@@ -111,6 +113,9 @@ class SpeculationStats(_message.Message):
     NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FELL_BACK_FIELD_NUMBER: _ClassVar[int]
     ADAPTIVE_FIELD_NUMBER: _ClassVar[int]
+    PRE_DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    PRE_DRAFT_HITS_FIELD_NUMBER: _ClassVar[int]
+    OVERLAP_FIELD_NUMBER: _ClassVar[int]
     steps: int
     drafted: int
     accepted: int
@@ -120,7 +125,10 @@ class SpeculationStats(_message.Message):
     num_draft_tokens: int
     fell_back: bool
     adaptive: bool
-    def __init__(self, steps: _Optional[int] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., enabled: _Optional[bool] = ..., drafter: _Optional[str] = ..., num_draft_tokens: _Optional[int] = ..., fell_back: _Optional[bool] = ..., adaptive: _Optional[bool] = ...) -> None: ...
+    pre_drafts: int
+    pre_draft_hits: int
+    overlap: bool
+    def __init__(self, steps: _Optional[int] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., enabled: _Optional[bool] = ..., drafter: _Optional[str] = ..., num_draft_tokens: _Optional[int] = ..., fell_back: _Optional[bool] = ..., adaptive: _Optional[bool] = ..., pre_drafts: _Optional[int] = ..., pre_draft_hits: _Optional[int] = ..., overlap: _Optional[bool] = ...) -> None: ...
 
 class Timings(_message.Message):
     __slots__ = ("ttft_ms", "total_ms", "prefill_ms", "kv_handoff_ms")

@@ -47,15 +47,15 @@ def test_greedy_equals_target_alone(tiny, engines, k):
     assert accepted > 0, "no draft was accepted: the multi-row feature path was not exercised"
 
 
-@pytest.mark.parametrize("k", [1, 3])
-def test_greedy_with_pre_drafting_equals_target_alone(tiny, engines, k):
+@pytest.mark.parametrize("k,guesses", [(1, 1), (1, 3), (3, 3)])
+def test_greedy_with_pre_drafting_equals_target_alone(tiny, engines, k, guesses):
     """Pre-drafting: the head chains through the block under verification on its own features, then drafts on."""
     target, _ = tiny
     prefill, draft, verify = engines
     hits = 0
     for prompt in PROMPTS:
         result = generate(prefill, draft, verify, prompt, max_new_tokens=NEW_TOKENS, num_draft_tokens=k,
-                          params=SamplingParams(), drafter="eagle", overlap=True)
+                          params=SamplingParams(), drafter="eagle", overlap=True, guesses=guesses)
         assert result.token_ids == greedy_reference(target.model, prompt, NEW_TOKENS), f"prompt {prompt}"
         hits += result.stats.pre_draft_hits
     assert hits > 0, "no pre-drafted block was used"
@@ -70,6 +70,9 @@ def test_forced_tokens_continue_the_chain(engines):
         draft.accept(sid, 0, result.first_token)
     whole = draft.propose("whole", 5).token_ids
     assert draft.propose("forced", 3, forced=whole[:2]).token_ids == whole[2:]
+    branches = draft.propose("forced", 2, forced=whole[:2], guesses=3).branches
+    assert (branches[0].n_matches, branches[0].next_token, branches[0].token_ids) == (2, whole[2], whole[3:5])
+    assert [b.n_matches for b in branches] == [2, 2, 2, 0, 0]
     for sid in ("whole", "forced"):
         draft.close(sid)
 

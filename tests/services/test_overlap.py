@@ -20,14 +20,14 @@ from tests.services.test_sampling import assert_follows
 DRAWS = 3000
 
 
-@pytest.mark.parametrize("drafter,k", [("model", 1), ("model", 3), ("prompt_lookup", 2)])
-def test_greedy_equals_target_alone(tiny, tiny_engines, drafter, k):
+@pytest.mark.parametrize("drafter,k,guesses", [("model", 1, 1), ("model", 3, 1), ("model", 2, 3), ("prompt_lookup", 2, 1)])
+def test_greedy_equals_target_alone(tiny, tiny_engines, drafter, k, guesses):
     target, _ = tiny
     prefill, draft, verify = tiny_engines
     hits = 0
     for prompt in PROMPTS:
         result = generate(prefill, draft, verify, prompt, max_new_tokens=NEW_TOKENS, num_draft_tokens=k,
-                          params=SamplingParams(), drafter=drafter, overlap=True)
+                          params=SamplingParams(), drafter=drafter, overlap=True, guesses=guesses)
         assert result.token_ids == greedy_reference(target.model, prompt, NEW_TOKENS), f"prompt {prompt}"
         assert result.stats.pre_drafts == result.stats.steps  # every verification overlapped a pre-draft
         hits += result.stats.pre_draft_hits
@@ -53,19 +53,42 @@ def test_forced_tokens_continue_the_proposal(tiny_engines, drafter):
         draft.close(sid)
 
 
+@pytest.mark.parametrize("guesses", [1, 3])
+def test_pre_draft_branches(tiny_engines, guesses):
+    """One block per likely verdict: after all forced tokens (top guesses), and after the first one rejected (others);
+    the main branch equals drafting on (greedy), and the session accepts a verdict on the forced tokens."""
+    prefill, draft, _ = tiny_engines
+    prompt = PROMPTS[2]
+    draft.start("whole", prompt, SamplingParams(), "model")
+    draft.start("branches", prompt, SamplingParams(), "model")
+    whole = draft.propose("whole", 5).token_ids
+    branches = draft.propose("branches", 2, forced=whole[:2], guesses=guesses).branches
+    keys = [(b.n_matches, b.next_token) for b in branches]
+    assert keys[0] == (2, whole[2]) and branches[0].token_ids == whole[3:5]
+    assert len(keys) == len(set(keys)) == guesses + (guesses - 1)
+    assert all(n == 0 and t != whole[0] for n, t in keys[guesses:])
+    draft.accept("branches", 1, 9)
+    assert draft.sessions.get("branches").tokens == prompt + whole[:1] + [9]
+    # the KV after the branches is still right: drafting on equals drafting afresh
+    draft.start("fresh", prompt + whole[:1] + [9], SamplingParams(), "model")
+    assert draft.propose("branches", 4).token_ids == draft.propose("fresh", 4).token_ids
+    for sid in ("whole", "branches", "fresh"):
+        draft.close(sid)
+
+
 def test_seed_reproduces_sampled_output(tiny_engines):
     prefill, draft, verify = tiny_engines
     params = SamplingParams(temperature=0.9, top_p=0.95, seed=1234)
     runs = [generate(prefill, draft, verify, PROMPTS[0], max_new_tokens=32, num_draft_tokens=3, params=params,
-                     overlap=True).token_ids for _ in range(2)]
+                     overlap=True, guesses=3).token_ids for _ in range(2)]
     assert runs[0] == runs[1]
 
 
 def test_sampled_tokens_follow_the_target(tiny):
     """Given the first two tokens, the third follows the target's p — overall, and on the pre-drafted (hit) path.
 
-    The drafter is the target with noise added (q close to p, not equal), so its guess of the second token is often
-    right and the block it drafted after the guess is verified with its own q.
+    The drafter is the target with noise added (q close to p, not equal), so one of its three guesses of the second
+    token is often right and the block it drafted after that guess is verified with its own q.
     """
     target, _ = tiny
     noisy = copy.deepcopy(target.model)
@@ -83,7 +106,8 @@ def test_sampled_tokens_follow_the_target(tiny):
         seeded = SamplingParams(temperature=1.0, seed=seed)
         verify.open("r", handoff.payload, first, seeded)
         draft.start("r", prompt, seeded, "model")
-        loop = SpeculativeLoop(first, max_new_tokens=6, eos=set(), num_draft_tokens=2, drafting=True, overlap=True)
+        loop = SpeculativeLoop(first, max_new_tokens=6, eos=set(), num_draft_tokens=2, drafting=True, overlap=True,
+                               guesses=3)
         steps = drive(loop, draft, verify, "r")
         next(steps)  # the first token
         second = next(steps)  # decoded by the target while the drafter guessed it

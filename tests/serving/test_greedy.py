@@ -9,7 +9,13 @@ pytestmark = pytest.mark.slow
 
 POLICIES = [dict(speculate=False)] + [
     dict(speculate=True, drafter=drafter, num_draft_tokens=k) for drafter in ("model", "eagle", "prompt_lookup") for k in (0, 1, 3, 5)
-]  # k = 0: the server's adaptive k
+] + [  # k = 0: the server's adaptive k
+    dict(speculate=True, drafter=drafter, num_draft_tokens=k, overlap=True) for drafter, k in (("eagle", 0), ("eagle", 1), ("eagle", 2), ("model", 1))
+]  # overlap: the draft stage pre-drafts while the verifier checks
+
+
+def policy_id(p: dict) -> str:
+    return "off" if not p["speculate"] else f"{p['drafter']}-k{p['num_draft_tokens']}{'-overlap' if p.get('overlap') else ''}"
 
 
 @pytest.fixture(scope="module")
@@ -18,8 +24,9 @@ def client():
         yield client
 
 
-@pytest.mark.parametrize("policy", POLICIES, ids=lambda p: "off" if not p["speculate"] else f"{p['drafter']}-k{p['num_draft_tokens']}")
+@pytest.mark.parametrize("policy", POLICIES, ids=policy_id)
 def test_greedy_equals_target_alone(client, reference, policy):
+    hits = 0
     for prompt in PROMPTS:
         response = client.generate(messages=[("user", prompt)], max_new_tokens=MAX_NEW_TOKENS, **policy)
         assert list(response.token_ids) == reference(prompt), prompt
@@ -27,7 +34,12 @@ def test_greedy_equals_target_alone(client, reference, policy):
         assert stats.enabled == policy["speculate"]
         assert stats.adaptive == (policy["speculate"] and policy["num_draft_tokens"] == 0)
         assert stats.accepted <= stats.drafted
+        assert stats.overlap == policy.get("overlap", False)
+        assert stats.pre_draft_hits <= stats.pre_drafts <= stats.steps
+        assert (stats.pre_drafts > 0) == stats.overlap
+        hits += stats.pre_draft_hits
         assert response.usage.completion_tokens == len(response.token_ids)
+    assert hits > 0 or not policy.get("overlap"), "no pre-drafted block was used"
 
 
 @pytest.mark.parametrize("drafter", ["model", "eagle"])
@@ -56,11 +68,11 @@ def test_stop_sequence_and_raw_prompt(client, target_info):
     assert raw.usage.prompt_tokens == len(target_info.tokenizer("The capital of France is")["input_ids"])
 
 
-@pytest.mark.parametrize("drafter", ["model", "eagle"])
-def test_seeded_sampling_is_reproducible_through_the_graph(client, drafter):
+@pytest.mark.parametrize("drafter,overlap", [("model", False), ("eagle", False), ("eagle", True)])
+def test_seeded_sampling_is_reproducible_through_the_graph(client, drafter, overlap):
     """temperature > 0 with a seed: the same request gives the same answer (random streams travel with the session)."""
     kwargs = dict(messages=[("user", PROMPTS[1])], max_new_tokens=MAX_NEW_TOKENS, temperature=0.8, top_p=0.95, seed=7,
-                  num_draft_tokens=3, drafter=drafter)
+                  num_draft_tokens=3, drafter=drafter, overlap=overlap)
     first, second = client.generate(**kwargs), client.generate(**kwargs)
     assert list(first.token_ids) == list(second.token_ids)
     assert first.speculation_stats.drafted > 0
