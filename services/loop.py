@@ -41,7 +41,7 @@ from services.draft import EAGLE_DRAFTER, FEATURE_DRAFTERS, MODEL_DRAFTER, PROMP
 from services.policy import AdaptiveK
 from services.prefill import PrefillEngine
 from services.sampling import SamplingParams
-from services.validation import MAX_DRAFT_TOKENS, validate_max_new_tokens, validate_num_draft_tokens, validate_prompt
+from services.validation import validate_max_new_tokens, validate_num_draft_tokens, validate_prompt
 from services.verify import VerifyEngine, VerifyResult
 
 # Top guesses of the target's next token a pre-draft drafts a block after, per drafter: what the drafter affords
@@ -188,7 +188,7 @@ class SpeculativeLoop:
             if self.drafting and self.overlap:
                 block, block_probs = block[: remaining - 1], block_probs[: remaining - 1] if block_probs is not None else None
                 # draft a block after each likely verdict on this block, while the verifier checks it
-                k_after = max(1, min(self._choose_k(remaining), MAX_DRAFT_TOKENS))
+                k_after = self.policy.choose_hidden() if self.policy is not None else self.num_draft_tokens
                 pre_draft = Propose(k_after, accepts, list(block), self.guesses)
             elif self.drafting:
                 k = self._choose_k(remaining)

@@ -147,6 +147,13 @@ class AdaptiveK:
             return 1  # probe: the text may have turned predictable
         return 0
 
+    def choose_hidden(self) -> int:
+        """k >= 1 for a block drafted while the verifier runs (pre-drafting): its drafting costs no time, so only
+        E(k) / verify(k + 1) counts."""
+        gains = expected_tokens([self.counts.rate(j, self.prior) for j in range(self.k_max)])
+        rate = {k: gains[k] / t for k in range(1, self.k_max + 1) if (t := self.costs.verify(k + 1)) is not None}
+        return max(rate, key=rate.get) if rate else 1
+
     def observe(self, n_drafted: int, n_matches: int) -> None:
         self.counts.add(n_drafted, n_matches)
         if self.prior is not None:

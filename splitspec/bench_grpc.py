@@ -3,6 +3,11 @@
 Single stream, greedy, the same held-out prompts for every policy; the
 policies take turns prompt by prompt so that machine noise hits all of them
 alike. Prints ratios (never asserted in tests: the machines are noisy).
+
+The ideal of a policy is an upper bound for its measured acceptance: every
+verify step (k + 1 tokens scored) costs what one step of speculation off
+costs, measured in the same run, and drafting costs nothing — so
+ideal = off tok/s x tokens per step (prefill's token counted as a step).
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ POLICIES = {
     "eagle k=1 overlap": dict(speculate=True, drafter="eagle", num_draft_tokens=1, overlap=True),
     "eagle k=2 overlap": dict(speculate=True, drafter="eagle", num_draft_tokens=2, overlap=True),
     "model k=1 overlap": dict(speculate=True, drafter="model", num_draft_tokens=1, overlap=True),
+    "eagle adaptive overlap": dict(speculate=True, drafter="eagle", overlap=True),
+    "eagle adaptive sequential": dict(speculate=True, drafter="eagle", overlap=False),
 }
 PROMPT_SETS = ("held_out", "everyday")
 
@@ -38,16 +45,20 @@ def prompts_of(prompt_set: str) -> list[str]:
 
 
 def run(client: SpecDecodeClient, *, num_prompts: int = 8, max_new_tokens: int = 64, warmup: int = 1,
-        prompt_set: str = "held_out") -> dict:
+        prompt_set: str = "held_out", policies: list[str] | None = None) -> dict:
+    unknown = set(policies or ()) - set(POLICIES)
+    if unknown:
+        raise ValueError(f"unknown policies {sorted(unknown)}; known: {list(POLICIES)}")
+    chosen = {name: p for name, p in POLICIES.items() if name == "off" or not policies or name in policies}
     prompts = prompts_of(prompt_set)[:num_prompts]
-    for policy in POLICIES.values():  # warm every stage and kernel before timing
+    for policy in chosen.values():  # warm every stage and kernel before timing
         for prompt in prompts[:warmup]:
             client.generate(messages=[("user", prompt)], max_new_tokens=8, **policy)
     totals = {name: {"tokens": 0, "seconds": 0.0, "drafted": 0, "accepted": 0, "steps": 0, "pre_drafts": 0, "hits": 0,
-                     "ttft_ms": []} for name in POLICIES}
-    answers: dict[str, list[list[int]]] = {name: [] for name in POLICIES}
+                     "ttft_ms": []} for name in chosen}
+    answers: dict[str, list[list[int]]] = {name: [] for name in chosen}
     for prompt in prompts:
-        for name, policy in POLICIES.items():
+        for name, policy in chosen.items():
             start = time.perf_counter()
             response = client.generate(messages=[("user", prompt)], max_new_tokens=max_new_tokens, **policy)
             elapsed = time.perf_counter() - start
@@ -65,13 +76,41 @@ def run(client: SpecDecodeClient, *, num_prompts: int = 8, max_new_tokens: int =
     off = totals["off"]["tokens"] / totals["off"]["seconds"]
     for name, t in totals.items():
         tok_s = t["tokens"] / t["seconds"]
+        ideal = off * t["tokens"] / (t["steps"] + len(prompts)) if t["steps"] else off
         report["policies"][name] = {
             "tok_s": round(tok_s, 2),
             "ratio_vs_off": round(tok_s / off, 3),
             "acceptance_rate": round(t["accepted"] / t["drafted"], 3) if t["drafted"] else None,
             "mean_accepted_length": round((t["accepted"] + t["steps"]) / t["steps"], 3) if t["steps"] else None,
             "overlap_hit_rate": round(t["hits"] / t["pre_drafts"], 3) if t["pre_drafts"] else None,
+            "ideal_tok_s": round(ideal, 2),
+            "fraction_of_ideal": round(tok_s / ideal, 3),
             "median_ttft_ms": round(sorted(t["ttft_ms"])[len(t["ttft_ms"]) // 2], 1),
         }
-    report["greedy_identical"] = all(answers[name] == answers["off"] for name in POLICIES)
+    report["greedy_identical"] = all(answers[name] == answers["off"] for name in chosen)
     return report
+
+
+def plot(report: dict, path: str) -> None:
+    """A bar chart of tok/s per policy (measured, and the ideal as an outline), with the ratio vs off on each bar."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(report["policies"])
+    rows = [report["policies"][n] for n in names]
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.9 * len(names)), 4.0))
+    x = range(len(names))
+    ax.bar(x, [r["ideal_tok_s"] for r in rows], color="none", edgecolor="grey", linestyle="--", label="ideal (upper bound)")
+    bars = ax.bar(x, [r["tok_s"] for r in rows], color="tab:blue", label="measured")
+    for bar, r in zip(bars, rows):
+        ax.annotate(f"{r['ratio_vs_off']:.2f}x", (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center",
+                    va="bottom", fontsize=8)
+    ax.set_xticks(list(x), names, rotation=30, ha="right", fontsize=8)
+    ax.set_ylabel("tokens / s")
+    ax.set_title(f"splitspec through gRPC: {report['prompts']} {report['prompt_set']} prompts x {report['max_new_tokens']} tokens, greedy")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

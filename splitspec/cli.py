@@ -227,15 +227,20 @@ def cmd_bench_grpc(args) -> int:
     try:
         with SpecDecodeClient(address) as client:
             report = bench_grpc.run(client, num_prompts=args.prompts, max_new_tokens=args.max_new_tokens,
-                                    prompt_set=args.prompt_set)
+                                    prompt_set=args.prompt_set, policies=args.policies.split(",") if args.policies else None)
     finally:
         if local is not None:
             local.stop()
     print(f"\ngRPC, single stream, greedy, {report['prompts']} {report['prompt_set']} prompts x {report['max_new_tokens']} tokens:")
     for name, r in report["policies"].items():
         acc = "" if r["acceptance_rate"] is None else f", acceptance {r['acceptance_rate']:.1%}, mean accepted length {r['mean_accepted_length']:.2f}"
-        print(f"  {name:<18} {r['tok_s']:6.2f} tok/s = {r['ratio_vs_off']:.2f}x off; median ttft {r['median_ttft_ms']:.0f} ms{acc}")
+        hits = "" if r["overlap_hit_rate"] is None else f", pre-draft hits {r['overlap_hit_rate']:.0%}"
+        print(f"  {name:<26} {r['tok_s']:6.2f} tok/s = {r['ratio_vs_off']:.2f}x off (ideal {r['ideal_tok_s']:.2f}, "
+              f"{r['fraction_of_ideal']:.0%} of it); median ttft {r['median_ttft_ms']:.0f} ms{acc}{hits}")
     print(f"greedy identical across policies: {report['greedy_identical']}")
+    if args.plot:
+        bench_grpc.plot(report, args.plot)
+        print(f"wrote {args.plot}")
     return _write_report(args, report)
 
 
@@ -295,6 +300,8 @@ def build_parser() -> argparse.ArgumentParser:
                             help="held-out subjects of the drafter's training prompts, or everyday assistant requests")
     grpc_bench.add_argument("--max-new-tokens", type=int, default=64)
     grpc_bench.add_argument("--json", help="also write the report as JSON here")
+    grpc_bench.add_argument("--plot", help="also write a PNG bar chart of the policies here")
+    grpc_bench.add_argument("--policies", help="comma-separated policy names to run (default: all; 'off' always runs)")
     grpc_bench.set_defaults(fn=cmd_bench_grpc)
 
     serve = sub.add_parser("serve", help="start a local Ray cluster and serve splitspec over gRPC")

@@ -136,3 +136,17 @@ def test_the_prior_excludes_the_requests_own_steps():
         policy.observe(1, 1)
     # the request's own 100 accepted steps are not counted twice: the prior of "others" is still the default
     assert policy.counts.rate(0, prior) == pytest.approx((100 + 8 * 0.5) / (100 + 8))
+
+
+def test_hidden_drafting_picks_k_by_verify_cost_alone():
+    """Pre-drafting hides the drafter's cost: k >= 1 always, longer blocks only while acceptance repays the verify."""
+    costs = CostModel()
+    for n, seconds in ((1, 0.040), (2, 0.044), (3, 0.054), (4, 0.066), (5, 0.080)):
+        costs.observe_verify(n, seconds)
+    costs.observe_propose(1, 10.0)  # a huge proposal cost must not matter
+    high, low = AcceptanceCounts(), AcceptanceCounts()
+    for _ in range(200):
+        high.add(4, 4)
+        low.add(4, 0)
+    assert AdaptiveK(costs, k_max=4, counts=high).choose_hidden() == 4
+    assert AdaptiveK(costs, k_max=4, counts=low).choose_hidden() == 1
