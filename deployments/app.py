@@ -51,6 +51,8 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
 def actor_options(placement: Placement) -> dict[str, Any]:
     """Ray actor options that pin a replica: custom resources and/or a node label selector."""
     options: dict[str, Any] = {"num_cpus": placement.num_cpus}
+    if placement.num_gpus:
+        options["num_gpus"] = placement.num_gpus
     if placement.resources:
         options["resources"] = dict(placement.resources)
     if placement.label_selector:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from services.draft import DRAFTERS
+from services.loading import DTYPES
 from services.policy import DEFAULT_MAX_DRAFT_TOKENS
 from services.validation import MAX_DRAFT_TOKENS, MIN_DRAFT_TOKENS
 
@@ -32,6 +33,7 @@ class Placement(_Strict):
         default_factory=dict, description="custom resources each replica requires, e.g. {'splitspec_verify': 1}"
     )
     num_cpus: float = Field(0.0, ge=0, description="logical CPUs reserved per replica (threads sets real use)")
+    num_gpus: float = Field(0.0, ge=0, description="GPUs per replica (Ray hands each replica its own through CUDA_VISIBLE_DEVICES)")
 
 
 class StageConfig(_Strict):
@@ -39,6 +41,8 @@ class StageConfig(_Strict):
     threads: int = Field(1, ge=1, description="torch intra-op threads per replica")
     max_ongoing_requests: int = Field(16, ge=1, description="concurrent calls a replica accepts")
     placement: Placement = Field(default_factory=Placement, description="hardware pinning of this stage")
+    device: str = Field("cpu", description="where the stage's model and KV live: cpu or cuda (needs placement.num_gpus > 0)")
+    dtype: str = Field("", description="weights dtype of this stage (float32, bfloat16, float16); empty = models.dtype")
 
 
 class SpeculationDefaults(_Strict):
@@ -101,9 +105,26 @@ class AppConfig(_Strict):
             raise ValueError(f"speculation.drafter must be one of {list(DRAFTERS)}, got {self.speculation.drafter!r}")
         if self.limits.default_max_new_tokens > self.limits.max_new_tokens:
             raise ValueError("limits.default_max_new_tokens must not exceed limits.max_new_tokens")
-        if self.models.dtype not in ("float32", "bfloat16", "float16"):
+        if self.models.dtype not in DTYPES:
             raise ValueError(f"models.dtype must be float32, bfloat16 or float16, got {self.models.dtype!r}")
+        for name in STAGES:
+            stage = self.stage(name)
+            if stage.dtype and stage.dtype not in DTYPES:
+                raise ValueError(f"stages.{name}.dtype must be float32, bfloat16 or float16, got {stage.dtype!r}")
+            kind, _, index = stage.device.partition(":")
+            if kind not in ("cpu", "cuda") or (index and (kind != "cuda" or not index.isdigit())):
+                raise ValueError(f"stages.{name}.device must be cpu, cuda or cuda:N, got {stage.device!r}")
+            if kind == "cuda" and stage.placement.num_gpus <= 0:
+                raise ValueError(f"stages.{name}.device is {stage.device!r}: set stages.{name}.placement.num_gpus "
+                                 "(e.g. 1) so that Ray gives its replicas a GPU")
+        if self.stage_dtype("prefill") != self.stage_dtype("verify"):
+            raise ValueError(f"stages.prefill and stages.verify must use one dtype (the KV passes between them), got "
+                             f"{self.stage_dtype('prefill')!r} and {self.stage_dtype('verify')!r}")
         return self
+
+    def stage_dtype(self, name: str) -> str:
+        """The weights dtype a stage loads its model in."""
+        return self.stage(name).dtype or self.models.dtype
 
     def stage(self, name: str) -> StageConfig:
         return getattr(self.stages, name)

@@ -32,14 +32,17 @@ def _why_not(placement: Placement, nodes: list[dict]) -> str | None:
     for name, amount in placement.resources.items():
         if not any(n.get("Resources", {}).get(name, 0) >= amount for n in nodes):
             return f"no alive node has resource {name} >= {amount} (start one with `ray start --resources '{{\"{name}\": 1}}'`)"
-    return f"no single alive node has all of labels {placement.label_selector} and resources {placement.resources}"
+    if placement.num_gpus and not any(n.get("Resources", {}).get("GPU", 0) >= placement.num_gpus for n in nodes):
+        return f"no alive node has {placement.num_gpus:g} GPU(s) (Ray counts a node's GPUs when it starts on a machine with CUDA)"
+    return f"no single alive node has all of labels {placement.label_selector} and resources {placement.resources}" + (
+        f" and {placement.num_gpus:g} GPU(s)" if placement.num_gpus else "")
 
 
 def _fits(placement: Placement, node: dict) -> bool:
     labels, resources = node.get("Labels", {}), node.get("Resources", {})
     return all(_label_matches(labels, k, v) for k, v in placement.label_selector.items()) and all(
         resources.get(name, 0) >= amount for name, amount in placement.resources.items()
-    ) and resources.get("CPU", 0) >= placement.num_cpus
+    ) and resources.get("CPU", 0) >= placement.num_cpus and resources.get("GPU", 0) >= placement.num_gpus
 
 
 def _label_matches(labels: dict, key: str, selector: str) -> bool:

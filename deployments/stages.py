@@ -23,7 +23,7 @@ from deployments.config import AppConfig
 from deployments.metrics import SessionMetrics
 from services import eagle_draft
 from services.draft import DraftEngine, DraftProposal
-from services.loading import LoadedModel, config_of, load_causal_lm, set_num_threads
+from services.loading import LoadedModel, check_device, config_of, load_causal_lm, set_num_threads
 from services.prefill import PrefillEngine
 from services.runner import warm_up
 from services.sampling import SamplingParams
@@ -63,8 +63,19 @@ def model_dirs(config: AppConfig) -> tuple[Path, Path]:
     return target, draft
 
 
-def load_target(config: AppConfig) -> LoadedModel:
-    return load_causal_lm(model_dirs(config)[0], dtype=config.models.dtype)
+def load_target(config: AppConfig, stage: str = "") -> LoadedModel:
+    """The target model, on ``stage``'s device and in its dtype (no stage: on the CPU, in models.dtype)."""
+    if not stage:
+        return load_causal_lm(model_dirs(config)[0], dtype=config.models.dtype)
+    device = stage_device(config, stage)
+    return load_causal_lm(model_dirs(config)[0], dtype=config.stage_dtype(stage), device=device)
+
+
+def stage_device(config: AppConfig, stage: str) -> str:
+    """The stage's configured device, checked here in its replica: a clear error naming stage and node if absent."""
+    device = config.stage(stage).device
+    check_device(device, where=f"stage {stage!r}, node {ray.get_runtime_context().get_node_id()}")
+    return device
 
 
 def _identity() -> tuple[str, str]:
@@ -114,7 +125,7 @@ class Prefill(_Stage):
 
     def __init__(self, config: dict):
         super().__init__(config)
-        self.engine = PrefillEngine(load_target(self.config))
+        self.engine = PrefillEngine(load_target(self.config, self.stage))
         warm_up(self.engine.runner)
 
     async def prefill(self, prompt_ids: list[int], params: SamplingParams, features: bool = False) -> KVHandoff:
@@ -141,7 +152,7 @@ class Draft(_Stage):
         # the EAGLE head reads the target's frozen embeddings: load the target for them (the rest is dropped)
         head = eagle_draft.load(head_path, load_target(self.config)) if head_path else None
         self.engine = DraftEngine(
-            load_causal_lm(draft_dir, dtype=self.config.models.dtype),
+            load_causal_lm(draft_dir, dtype=self.config.stage_dtype(self.stage), device=stage_device(self.config, self.stage)),
             max_sessions=self.config.limits.max_sessions,
             max_kv_bytes=self.config.limits.max_kv_bytes,
             max_context=getattr(target_config, "max_position_embeddings", None),
@@ -183,7 +194,8 @@ class Verify(_Stage):
     def __init__(self, config: dict):
         super().__init__(config)
         self.engine = VerifyEngine(
-            load_target(self.config), max_sessions=self.config.limits.max_sessions, max_kv_bytes=self.config.limits.max_kv_bytes
+            load_target(self.config, self.stage), max_sessions=self.config.limits.max_sessions,
+            max_kv_bytes=self.config.limits.max_kv_bytes
         )
         warm_up(self.engine.runner)
 

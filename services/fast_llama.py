@@ -15,13 +15,12 @@ from __future__ import annotations
 import math
 import time
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
 from services import kernels
 from services.draft_vocab import scatter_kept
-from services.kv import KVPayload, as_tensor, check_fingerprint
+from services.kv import KVPayload, as_tensor, check_fingerprint, to_numpy
 
 INITIAL_CAPACITY = 256  # KV positions allocated up front; doubled as needed
 
@@ -125,9 +124,10 @@ class DenseKVCache:
 
     def export(self, fingerprint: str) -> KVPayload:
         view = self.buffer[:, :, :, : self.seq_len]  # [layers, 2, kv_heads, seq_len, head_dim]
-        keys = [np.ascontiguousarray(view[i, 0].numpy()) for i in range(view.shape[0])]
-        values = [np.ascontiguousarray(view[i, 1].numpy()) for i in range(view.shape[0])]
-        return KVPayload(keys=keys, values=values, seq_len=self.seq_len, fingerprint=fingerprint)
+        keys = [to_numpy(view[i, 0]) for i in range(view.shape[0])]
+        values = [to_numpy(view[i, 1]) for i in range(view.shape[0])]
+        dtype = str(self.buffer.dtype).removeprefix("torch.")
+        return KVPayload(keys=keys, values=values, seq_len=self.seq_len, fingerprint=fingerprint, dtype=dtype)
 
 
 class FastLlamaRunner:
@@ -173,8 +173,8 @@ class FastLlamaRunner:
         cache = self.new_cache()
         cache.reserve(payload.seq_len)
         for i, (k, v) in enumerate(zip(payload.keys, payload.values)):
-            cache.buffer[i, 0, :, : payload.seq_len] = as_tensor(k)
-            cache.buffer[i, 1, :, : payload.seq_len] = as_tensor(v)
+            cache.buffer[i, 0, :, : payload.seq_len] = as_tensor(k, payload.dtype)
+            cache.buffer[i, 1, :, : payload.seq_len] = as_tensor(v, payload.dtype)
         cache.seq_len = payload.seq_len
         return cache
 

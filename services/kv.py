@@ -26,6 +26,7 @@ class KVPayload:
     values: list[np.ndarray]  # per layer: [num_kv_heads, seq_len, head_dim]
     seq_len: int
     fingerprint: str  # model id + config hash + dtype of the model that computed it
+    dtype: str = "float32"  # of the tensors; bfloat16 travels as its int16 bit pattern (numpy has no bfloat16)
 
     @property
     def nbytes(self) -> int:
@@ -69,13 +70,15 @@ class KVCache:
             self.cache.crop(-excess)
 
     def export(self, fingerprint: str) -> KVPayload:
-        """Copy the cache out as contiguous numpy arrays (one copy, then zero-copy onward)."""
-        keys = [layer.keys[0].contiguous().numpy() for layer in self.cache.layers]
-        values = [layer.values[0].contiguous().numpy() for layer in self.cache.layers]
-        return KVPayload(keys=keys, values=values, seq_len=self.seq_len, fingerprint=fingerprint)
+        """Copy the cache out as contiguous host numpy arrays (one copy — device to host on a GPU — then zero-copy)."""
+        first = self.cache.layers[0].keys
+        dtype = str(first.dtype).removeprefix("torch.")
+        keys = [to_numpy(layer.keys[0]) for layer in self.cache.layers]
+        values = [to_numpy(layer.values[0]) for layer in self.cache.layers]
+        return KVPayload(keys=keys, values=values, seq_len=self.seq_len, fingerprint=fingerprint, dtype=dtype)
 
     @classmethod
-    def from_payload(cls, config, payload: KVPayload, fingerprint: str) -> "KVCache":
+    def from_payload(cls, config, payload: KVPayload, fingerprint: str, device: torch.device | str = "cpu") -> "KVCache":
         """Adopt a payload's arrays without copying them; refuse KV from another model."""
         check_fingerprint(payload, fingerprint)
         kv_cache = cls(config)
@@ -84,8 +87,8 @@ class KVCache:
                 f"KV payload has {len(payload.keys)} layers, the model has {len(kv_cache.cache.layers)}"
             )
         for layer, k, v in zip(kv_cache.cache.layers, payload.keys, payload.values):
-            key_states = as_tensor(k)[None]  # [1, num_kv_heads, seq_len, head_dim]
-            value_states = as_tensor(v)[None]
+            key_states = as_tensor(k, payload.dtype).to(device)[None]  # [1, num_kv_heads, seq_len, head_dim]
+            value_states = as_tensor(v, payload.dtype).to(device)[None]
             layer.lazy_initialization(key_states, value_states)
             # The arrays may be read-only object-store memory: adopt them as they
             # are; the next update concatenates into a fresh tensor, never in place.
@@ -93,11 +96,18 @@ class KVCache:
         return kv_cache
 
 
-def as_tensor(array: np.ndarray) -> torch.Tensor:
-    """A tensor view of ``array``; read-only arrays (object-store memory) are only ever read."""
-    if not array.flags.writeable:
+def to_numpy(tensor: torch.Tensor) -> np.ndarray:
+    """A contiguous host copy; bfloat16 as its int16 bit pattern."""
+    tensor = tensor.contiguous()
+    if tensor.dtype == torch.bfloat16:
+        tensor = tensor.view(torch.int16)
+    return tensor.cpu().numpy()
+
+
+def as_tensor(array: np.ndarray, dtype: str = "float32") -> torch.Tensor:
+    """A tensor view of ``array`` (``dtype``: the payload's); read-only arrays (object-store memory) are only read."""
+    with warnings.catch_warnings():
         # torch warns on read-only buffers; it never writes to them here (see above)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)
-            return torch.from_numpy(array)
-    return torch.from_numpy(array)
+        warnings.simplefilter("ignore", UserWarning)
+        tensor = torch.from_numpy(array)
+    return tensor.view(torch.bfloat16) if dtype == "bfloat16" else tensor

@@ -18,6 +18,26 @@ logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_DTYPE = "float32"  # CPU kernels are fastest and exact in float32
+DEVICES = ("cpu", "cuda")
+DEFAULT_DEVICE = "cpu"
+
+
+class DeviceUnavailableError(RuntimeError):
+    """A stage asked for a device this process cannot see."""
+
+
+def check_device(device: str, where: str = "") -> torch.device:
+    """The torch device for ``device`` ('cpu', 'cuda' or 'cuda:N'); a clear error when it is not there."""
+    kind = device.split(":")[0]
+    if kind not in DEVICES:
+        raise InvalidRequestError(f"device must be one of {list(DEVICES)} (or cuda:N), got {device!r}")
+    if kind == "cuda" and not torch.cuda.is_available():
+        place = f" on {where}" if where else ""
+        raise DeviceUnavailableError(
+            f"device {device!r} was asked for{place}, but torch sees no CUDA GPU there "
+            f"(torch {torch.__version__}, built with CUDA {torch.version.cuda}); use device: cpu or a GPU node"
+        )
+    return torch.device(device)
 
 
 @dataclass
@@ -29,6 +49,7 @@ class LoadedModel:
     model_id: str
     dtype: str
     fingerprint: str  # model id + config hash + dtype: KV is only valid for the same fingerprint
+    device: str = DEFAULT_DEVICE  # where the weights (and the sessions' KV) live
 
     @property
     def config(self):
@@ -73,8 +94,9 @@ def load_causal_lm(
     dtype: str = DEFAULT_DTYPE,
     num_threads: int | None = None,
     model_id: str | None = None,
+    device: str = DEFAULT_DEVICE,
 ) -> LoadedModel:
-    """Load any Hugging Face causal-LM folder (AutoModelForCausalLM / AutoTokenizer)."""
+    """Load any Hugging Face causal-LM folder (AutoModelForCausalLM / AutoTokenizer) onto ``device``."""
     path = Path(path)
     if dtype not in DTYPES:
         raise InvalidRequestError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
@@ -83,26 +105,29 @@ def load_causal_lm(
             f"{path} is not a Hugging Face model folder (no config.json); "
             "run `splitspec models prepare` for the default pair"
         )
+    torch_device = check_device(device)
     set_num_threads(num_threads)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype]).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype]).to(torch_device).eval()
     model.requires_grad_(False)
     tokenizer = AutoTokenizer.from_pretrained(path) if _has_tokenizer(path) else None
     model_id = model_id or path.name
-    logger.info("loaded %s (%s, %d layers) from %s", model_id, dtype, model.config.num_hidden_layers, path)
+    logger.info("loaded %s (%s, %d layers) from %s on %s", model_id, dtype, model.config.num_hidden_layers, path, device)
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,
         model_id=model_id,
         dtype=dtype,
         fingerprint=model_fingerprint(model_id, model.config, dtype),
+        device=device,
     )
 
 
-def wrap_model(model: PreTrainedModel, *, model_id: str, tokenizer=None, dtype: str = DEFAULT_DTYPE) -> LoadedModel:
-    """Wrap an in-memory model (tests, freshly built pairs) like ``load_causal_lm`` does."""
-    model = model.eval()
+def wrap_model(model: PreTrainedModel, *, model_id: str, tokenizer=None, dtype: str = DEFAULT_DTYPE,
+               device: str = DEFAULT_DEVICE) -> LoadedModel:
+    """Wrap an in-memory model (tests, freshly built pairs) like ``load_causal_lm`` does, moved to ``device``."""
+    model = model.to(check_device(device)).eval()
     model.requires_grad_(False)
-    return LoadedModel(model, tokenizer, model_id, dtype, model_fingerprint(model_id, model.config, dtype))
+    return LoadedModel(model, tokenizer, model_id, dtype, model_fingerprint(model_id, model.config, dtype), device)
 
 
 def _has_tokenizer(path: Path) -> bool:

@@ -1,8 +1,14 @@
 """Run a causal LM one chunk at a time against a per-sequence KV cache.
 
 ``make_runner`` picks the compact Llama forward (``fast_llama``) when the
-model is a plain Llama, and transformers' own forward for anything else.
-Both give the same interface: ``new_cache``, ``import_payload``, ``forward``.
+model is a plain Llama on the CPU, and transformers' own forward for anything
+else — every model on a GPU. Both give the same interface: ``new_cache``,
+``import_payload``, ``forward``.
+
+On a GPU the forward and the KV stay on the device; the logits come back to
+the host (float32, [n, vocab_size]: a few hundred KB per step), where the
+exact sampler draws with a seeded CPU generator — so a seed gives the same
+random stream whatever the device, and accept / reject is the same code.
 """
 
 from __future__ import annotations
@@ -27,7 +33,11 @@ class ModelRunner:
         return KVCache(self.model.config)
 
     def import_payload(self, payload: KVPayload) -> KVCache:
-        return KVCache.from_payload(self.model.config, payload, self.loaded.fingerprint)
+        return KVCache.from_payload(self.model.config, payload, self.loaded.fingerprint, device=self.device)
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
 
     @torch.inference_mode()
     def forward(
@@ -43,16 +53,16 @@ class ModelRunner:
         With ``return_features`` also the last hidden state of every row (after the final norm), [n, hidden].
         """
         out = self.model(
-            input_ids=input_ids[None],
+            input_ids=input_ids.to(self.model.device)[None],
             cache=cache.cache,
             use_cache=True,
             logits_to_keep=1 if last_only else 0,
             output_hidden_states=return_features,
         )
-        logits = out.logits[0].float()  # [m, vocab_size]
+        logits = out.logits[0].float().cpu()  # [m, vocab_size] on the host, for the sampler
         if self.kept_ids is not None:
             logits = scatter_kept(logits[:, self.kept_ids], self.kept_ids, logits.shape[-1])
-        return (logits, out.hidden_states[-1][0]) if return_features else logits
+        return (logits, out.hidden_states[-1][0].cpu()) if return_features else logits
 
 
 def make_runner(loaded: LoadedModel, *, fast: bool = True, kept_ids: torch.Tensor | None = None):
@@ -63,7 +73,7 @@ def make_runner(loaded: LoadedModel, *, fast: bool = True, kept_ids: torch.Tenso
     """
     from services import fast_llama
 
-    if fast and fast_llama.supports(loaded.model.config):
+    if fast and loaded.model.device.type == "cpu" and fast_llama.supports(loaded.model.config):
         return fast_llama.FastLlamaRunner(loaded, kept_ids=kept_ids)
     return ModelRunner(loaded, kept_ids=kept_ids)
 

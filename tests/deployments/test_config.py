@@ -13,7 +13,7 @@ from deployments.config import AppConfig
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 
-@pytest.mark.parametrize("name", ["default.yaml", "cluster.yaml"])
+@pytest.mark.parametrize("name", ["default.yaml", "cluster.yaml", "gpu.yaml"])
 def test_shipped_configs_validate(name):
     data = yaml.safe_load((CONFIGS / name).read_text())
     schema = ServeDeploySchema.model_validate(data)
@@ -30,7 +30,21 @@ def test_shipped_configs_validate(name):
     {"stages": {"verify": {"num_replicas": 0}}},
     {"limits": {"max_new_tokens": 8, "default_max_new_tokens": 16}},
     {"unknown_field": 1},
+    {"stages": {"verify": {"device": "tpu"}}},
+    {"stages": {"verify": {"device": "cuda"}}},  # no GPU in its placement: Ray would hide the GPUs from it
+    {"stages": {"verify": {"dtype": "bfloat16"}}},  # prefill stays float32: the KV could not pass between them
+    {"stages": {"draft": {"dtype": "int4"}}},
 ])
 def test_bad_config_is_refused(bad):
     with pytest.raises(ValidationError):
         build_app(bad)
+
+
+def test_gpu_stage_options():
+    from deployments.app import actor_options
+
+    config = AppConfig.model_validate({"stages": {s: {"device": "cuda", "dtype": "bfloat16", "placement": {"num_gpus": 1}}
+                                                  for s in ("prefill", "verify")}})
+    assert config.stage_dtype("verify") == "bfloat16" and config.stage_dtype("draft") == "float32"
+    assert actor_options(config.stage("verify").placement)["num_gpus"] == 1
+    assert "num_gpus" not in actor_options(config.stage("draft").placement)

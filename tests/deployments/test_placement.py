@@ -42,3 +42,12 @@ def test_local_cluster_fills_only_unset_placements():
     assert config.stages.draft.placement.resources == {"splitspec_draft": 0.01}
     assert config.ingress_placement.resources == {"splitspec_ingress": 0.01}
     assert placements_for(3, AppConfig()).stages.prefill.placement.label_selector == {"splitspec.io/accelerator": "prefill"}
+
+
+def test_gpu_stage_without_gpu_nodes_is_named():
+    config = placements_for(1, AppConfig.model_validate(
+        {"stages": {"verify": {"device": "cuda", "placement": {"num_gpus": 1}}}}))
+    node = _node(resources={f"splitspec_{s}": 1 for s in ("prefill", "draft", "verify", "ingress")})
+    problems = unplaceable(config, [node])
+    assert list(problems) == ["verify"] and "GPU" in problems["verify"]
+    assert unplaceable(config, [{**node, "Resources": {**node["Resources"], "GPU": 1}}]) == {}

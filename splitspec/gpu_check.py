@@ -1,0 +1,234 @@
+"""The engine on one device, checked in one command: ``python -m splitspec.gpu_check`` (scripts/gpu-check.sh).
+
+No Ray, no gRPC: only services/ with torch and transformers, so that it runs
+on a bare GPU machine. On the chosen device (default cuda; skipped with a
+message, exit 0, where torch sees no GPU):
+
+1. tiny pair: greedy speculative output (draft model k = 1 and 3, speculation
+   off) is token-identical to transformers' ``generate`` on the same device;
+2. KV round trip: device -> payload (host numpy) -> device, and the next
+   logits equal those of the cache it came from;
+3. rollback: a cache cropped after a rejected draft equals a fresh forward;
+4. sampled chi-square on the tiny pair: the first verified token follows the
+   target's p when a random draft distribution q proposes it;
+5. tokens/s, target alone vs speculative (the default pair when it is
+   prepared in this machine's cache, else the tiny pair).
+
+Exit code 0 when every check passes (or the device is absent), 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+TINY_PROMPTS = [[1, 5, 7, 9, 11], [1, 20], [1, 30, 31, 32, 30, 31], [1, 40, 41, 42, 43, 44, 45, 46]]
+NEW_TOKENS = 48
+CHI2_Z = 3.719  # one-sided, ~1e-4 false alarms per check
+MIN_EXPECTED = 5
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="splitspec-gpu-check", description=__doc__.split("\n")[0])
+    parser.add_argument("--device", default="cuda", help="cuda (default), cuda:N or cpu (the same checks on the CPU)")
+    parser.add_argument("--dtype", default="", help="dtype of the default-pair speed check (default: bfloat16 on cuda)")
+    parser.add_argument("--draws", type=int, default=3000, help="samples of the chi-square check")
+    parser.add_argument("--pair", choices=["auto", "tiny", "default"], default="auto",
+                        help="model pair of the speed check (auto: the default pair when it is prepared here)")
+    parser.add_argument("--json", help="also write the results here")
+    args = parser.parse_args(argv)
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        print(f"SKIP: torch {torch.__version__} sees no CUDA GPU on this machine; nothing was checked "
+              "(run this where a GPU is, or --device cpu for the same checks on the CPU)")
+        return 0
+    device = torch.device(args.device)
+    torch.manual_seed(0)
+    report = {"device": str(device), "torch": torch.__version__, "checks": {}}
+    if device.type == "cuda":
+        report["gpu"] = torch.cuda.get_device_name(device)
+    print(f"splitspec engine check on {report.get('gpu', device)} (torch {torch.__version__})", flush=True)
+    checks = [("greedy identity (tiny pair)", _greedy_identity), ("KV round trip", _kv_round_trip),
+              ("rollback", _rollback), ("sampled chi-square (tiny pair)", lambda d: _chi_square(d, args.draws)),
+              ("tokens/s", lambda d: _speed(d, args.dtype, args.pair))]
+    failed = 0
+    for name, check in checks:
+        start = time.perf_counter()
+        try:
+            detail = check(device)
+            ok = True
+        except AssertionError as exc:
+            detail, ok = f"FAILED: {exc}", False
+        failed += not ok
+        report["checks"][name] = {"ok": ok, "detail": detail, "seconds": round(time.perf_counter() - start, 1)}
+        print(f"{'PASS' if ok else 'FAIL'} {name} ({time.perf_counter() - start:.1f}s): {detail}", flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    print(f"{len(checks) - failed}/{len(checks)} checks passed on {report.get('gpu', device)}")
+    return 1 if failed else 0
+
+
+def _tiny(device: torch.device):
+    from services.loading import wrap_model
+    from services.models.tiny import tiny_pair
+
+    target, draft = tiny_pair()
+    return (wrap_model(target.model, model_id=target.model_id, device=str(device)),
+            wrap_model(draft.model, model_id=draft.model_id, device=str(device)))
+
+
+def _engines(target, draft):
+    from services.draft import DraftEngine
+    from services.prefill import PrefillEngine
+    from services.verify import VerifyEngine
+
+    return PrefillEngine(target), DraftEngine(draft), VerifyEngine(target)
+
+
+def _reference(model, prompt: list[int], n: int) -> list[int]:
+    with torch.inference_mode():
+        ids = torch.tensor([prompt], device=model.device)
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False)
+    return out[0, len(prompt):].tolist()
+
+
+def _greedy_identity(device) -> str:
+    from services.loop import generate
+    from services.sampling import SamplingParams
+
+    target, draft = _tiny(device)
+    prefill, drafts, verify = _engines(target, draft)
+    accepted = 0
+    for prompt in TINY_PROMPTS:
+        expected = _reference(target.model, prompt, NEW_TOKENS)
+        for k, engine in ((1, drafts), (3, drafts), (1, None)):
+            result = generate(prefill, engine, verify, prompt, max_new_tokens=NEW_TOKENS, num_draft_tokens=k,
+                              params=SamplingParams())
+            assert result.token_ids == expected, f"prompt {prompt}, k={k if engine else 'off'}: {result.token_ids[:8]}... != {expected[:8]}..."
+            accepted += result.stats.accepted
+    assert accepted > 0, "no draft token was accepted"
+    return f"{len(TINY_PROMPTS)} prompts x (k=1, k=3, off) identical to generate(); {accepted} drafts accepted"
+
+
+def _kv_round_trip(device) -> str:
+    from services.runner import make_runner
+
+    target, _ = _tiny(device)
+    runner = make_runner(target)
+    prompt = TINY_PROMPTS[2]
+    cache = runner.new_cache()
+    runner.forward(torch.tensor(prompt), cache)
+    payload = cache.export(target.fingerprint)
+    imported = runner.import_payload(payload)
+    nxt = torch.tensor([7])
+    a, b = runner.forward(nxt, cache), runner.forward(nxt, imported)
+    assert torch.equal(a, b), f"logits differ by {float((a - b).abs().max()):.3g} after the round trip"
+    return f"{payload.nbytes} B of KV ({payload.dtype}) out to the host and back; next logits equal"
+
+
+def _rollback(device) -> str:
+    from services.runner import make_runner
+
+    target, _ = _tiny(device)
+    runner = make_runner(target)
+    prompt, accepted, rejected = TINY_PROMPTS[0], [12, 13], [14, 15, 16]
+    cache = runner.new_cache()
+    runner.forward(torch.tensor(prompt + accepted + rejected), cache)
+    cache.crop(len(prompt) + len(accepted))
+    fresh = runner.new_cache()
+    runner.forward(torch.tensor(prompt + accepted), fresh)
+    a, b = runner.forward(torch.tensor([17]), cache), runner.forward(torch.tensor([17]), fresh)
+    assert torch.allclose(a, b, rtol=1e-4, atol=1e-4), f"logits differ by {float((a - b).abs().max()):.3g}"
+    return "a cache cropped after rejected drafts gives the logits of a fresh forward"
+
+
+def _chi_square(device, draws: int) -> str:
+    from services.sampling import SamplingParams, logits_to_probs
+    from services.verify import VerifyEngine
+
+    target, _ = _tiny(device)
+    verify = VerifyEngine(target)
+    prefill_cache_engine = _engines(target, target)[0]
+    prompt, first = TINY_PROMPTS[3][:5], 44
+    params = SamplingParams(temperature=1.0)
+    payload = prefill_cache_engine.prefill(prompt, params).payload
+    with torch.inference_mode():
+        logits = target.model(input_ids=torch.tensor([prompt + [first]], device=target.model.device)).logits[0, -1:]
+    p = logits_to_probs(logits.float().cpu(), params)[0]  # [V]
+    vocab = p.shape[0]
+    q = torch.softmax(torch.randn(vocab, generator=torch.Generator().manual_seed(1)), -1)  # [V] a foreign draft q
+    counts = torch.zeros(vocab)
+    picker = torch.Generator().manual_seed(2)
+    for seed in range(draws):
+        verify.open("chi", payload, first, SamplingParams(temperature=1.0, seed=seed))
+        x = int(torch.multinomial(q, 1, generator=picker))
+        verdict = verify.verify("chi", [x], q[None])
+        counts[verdict.token_ids[0]] += 1
+        verify.close("chi")
+    expected = p * draws
+    big = expected >= MIN_EXPECTED
+    obs = torch.cat([counts[big], counts[~big].sum()[None]]).double()
+    exp = torch.cat([expected[big], expected[~big].sum()[None]]).double()
+    keep = exp > 0
+    stat = float((((obs[keep] - exp[keep]) ** 2) / exp[keep]).sum())
+    df = int(keep.sum()) - 1
+    threshold = df * (1 - 2 / (9 * df) + CHI2_Z * math.sqrt(2 / (9 * df))) ** 3
+    assert counts[p == 0].sum() == 0, "sampled a token of probability zero"
+    assert stat < threshold, f"chi2 = {stat:.1f} over {df} dof (threshold {threshold:.1f})"
+    return f"{draws} draws: chi2 = {stat:.1f} over {df} dof (threshold {threshold:.1f})"
+
+
+def _speed(device, dtype: str, pair: str) -> str:
+    from services.draft import DraftEngine
+    from services.loading import load_causal_lm
+    from services.loop import generate
+    from services.models import default_pair
+    from services.models.distill import chat_ids
+    from services.prefill import PrefillEngine
+    from services.sampling import SamplingParams
+    from services.verify import VerifyEngine
+
+    dtype = dtype or ("bfloat16" if device.type == "cuda" else "float32")
+    target_dir, draft_dir = default_pair.target_dir(), default_pair.drafter_dir()
+    prepared = (target_dir / "config.json").is_file() and (draft_dir / "config.json").is_file()
+    assert prepared or pair != "default", f"the default pair is not prepared in {target_dir.parent}"
+    if prepared and pair != "tiny":
+        target = load_causal_lm(target_dir, dtype=dtype, device=str(device))
+        draft = load_causal_lm(draft_dir, dtype=dtype, device=str(device))
+        prompts = [chat_ids(target.tokenizer, text) for text in
+                   ("Explain what a hash map is.", "Write a short poem about the sea.", "List three uses of Python.")]
+        pair, n = f"default pair ({dtype})", 64
+    else:
+        target, draft = _tiny(device)
+        pair = "tiny pair" if pair == "tiny" else "tiny pair (the default pair is not prepared here)"
+        prompts, n = TINY_PROMPTS, NEW_TOKENS
+    prefill, drafts, verify = PrefillEngine(target), DraftEngine(draft), VerifyEngine(target)
+    rates, identical = {}, True
+    _reference(target.model, prompts[0], 4)  # warm up
+    generate(prefill, drafts, verify, prompts[0], max_new_tokens=4, num_draft_tokens=2, params=SamplingParams())
+    for name, engine, k in (("target alone (generate)", None, 0), ("speculation off", None, 1),
+                            ("speculative k=2", drafts, 2), ("speculative k=4", drafts, 4)):
+        tokens, start = 0, time.perf_counter()
+        for prompt in prompts:
+            if k == 0:
+                out = _reference(target.model, prompt, n)
+            else:
+                out = generate(prefill, engine, verify, prompt, max_new_tokens=n, num_draft_tokens=k,
+                               params=SamplingParams()).token_ids
+                identical &= out == _reference(target.model, prompt, n)
+            tokens += len(out)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        rates[name] = tokens / (time.perf_counter() - start)
+    base = rates["target alone (generate)"]
+    assert identical, "speculative output differs from generate()"
+    return f"{pair}: " + ", ".join(f"{name} {r:.1f} tok/s ({r / base:.2f}x)" for name, r in rates.items())
+
+
+if __name__ == "__main__":
+    sys.exit(main())
