@@ -178,12 +178,17 @@ class SpeculativeLoop:
         block, block_probs = [], None  # the next block to verify: pre-drafted on a hit
         generated, step = 0, StepOutput([self.first_token])
         caught_up = False  # the drafter had seen every verdict but the last at its last proposal (not so at first: the prompt)
+        step_start, calls_s = 0.0, None  # when the last step began; seconds of its stage calls (None: not timed)
         while True:
             step, generated = finish_step(step, generated, self.max_new_tokens, self.eos)
             yield step
             if step.finish_reason:
                 return
             remaining = self.max_new_tokens - generated
+            now = time.perf_counter()
+            if self.policy is not None and calls_s is not None:  # the last step's wall time beyond its stage calls
+                self.policy.costs.observe_overhead(now - step_start - calls_s)
+            step_start, calls_s = now, 0.0
             pre_draft = None
             if self.drafting and self.overlap:
                 block, block_probs = block[: remaining - 1], block_probs[: remaining - 1] if block_probs is not None else None
@@ -195,6 +200,7 @@ class SpeculativeLoop:
                 block, block_probs = [], None
                 if k > 0:
                     results = yield Calls(propose=Propose(k, accepts))
+                    calls_s += results.propose_s
                     if results.draft_failed:
                         self.drafting = False
                     else:
@@ -204,6 +210,7 @@ class SpeculativeLoop:
                         accepts = []
                 caught_up = k > 0
             results = yield Calls(propose=pre_draft, verify=Verify(block, block_probs))
+            calls_s = None if pre_draft is not None else calls_s + results.verify_s  # overlapped calls: not comparable
             verdict = results.verdict
             if self.policy is not None:
                 self.policy.costs.observe_verify(len(block) + 1, results.verify_s)

@@ -7,10 +7,13 @@ tokens emits on average
 
 and costs, as the driver measures it (seconds, moving averages),
 
-    T(k) = verify(k + 1) + [k > 0] propose(k)
+    T(k) = verify(k + 1) + [k > 0] propose(k) + overhead
 
 where ``propose`` includes whatever the driver pays to reach the drafter (a
-Ray call in the graph, nothing in-process). The policy takes the k in
+Ray call in the graph, nothing in-process) and ``overhead`` is what every
+step pays besides the stage calls (the driver's own work, sending the tokens
+to the client): it dilutes the relative cost of drafting, so leaving it out
+would turn speculation down where it pays. The policy takes the k in
 0 .. k_max with the most tokens per second, E(k) / T(k); speculating must
 beat k = 0 by ``margin`` (so that measurement noise does not make the default
 slower than speculation off). While it sits at k = 0 it probes k = 1 after
@@ -75,12 +78,16 @@ class CostModel:
 
     verify_s: dict[int, float] = field(default_factory=dict)
     propose_s: dict[int, float] = field(default_factory=dict)
+    overhead_s: float = 0.0  # per step, beyond the stage calls
 
     def observe_verify(self, tokens: int, seconds: float) -> None:
         _ema(self.verify_s, tokens, seconds)
 
     def observe_propose(self, k: int, seconds: float) -> None:
         _ema(self.propose_s, k, seconds)
+
+    def observe_overhead(self, seconds: float) -> None:
+        self.overhead_s = max(0.0, (1 - EMA_WEIGHT) * self.overhead_s + EMA_WEIGHT * seconds) if self.overhead_s else max(0.0, seconds)
 
     def verify(self, tokens: int) -> float | None:
         return _extrapolate(self.verify_s, tokens, lambda n: 1 + VERIFY_GROWTH * (n - 1))
@@ -91,10 +98,12 @@ class CostModel:
     def step(self, k: int) -> float | None:
         """T(k): seconds of a step that drafts k tokens."""
         verify = self.verify(k + 1)
-        if k == 0 or verify is None:
-            return verify
+        if verify is None:
+            return None
+        if k == 0:
+            return verify + self.overhead_s
         propose = self.propose(k)
-        return None if propose is None else verify + propose
+        return None if propose is None else verify + propose + self.overhead_s
 
 
 def expected_tokens(rates: list[float]) -> list[float]:

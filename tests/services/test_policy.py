@@ -150,3 +150,19 @@ def test_hidden_drafting_picks_k_by_verify_cost_alone():
         low.add(4, 0)
     assert AdaptiveK(costs, k_max=4, counts=high).choose_hidden() == 4
     assert AdaptiveK(costs, k_max=4, counts=low).choose_hidden() == 1
+
+
+def test_per_step_overhead_dilutes_the_cost_of_drafting():
+    """A step's fixed overhead (driver, client) counts for every k: with it, a draft that pays is not turned down."""
+    costs = CostModel()
+    costs.observe_verify(1, 0.040)
+    costs.observe_verify(2, 0.044)
+    costs.observe_propose(1, 0.020)
+    counts = AcceptanceCounts()
+    for _ in range(100):
+        counts.add(1, 1 if _ % 2 else 0)  # a_1 = 0.5 -> E(1) = 1.5
+    policy = AdaptiveK(costs, k_max=1, counts=counts)
+    assert policy.choose(64) == 0  # 1.5 / 64 ms < 1 / 40 ms * 1.05
+    costs.observe_overhead(0.030)
+    assert costs.step(0) == pytest.approx(0.070) and costs.step(1) == pytest.approx(0.094)
+    assert policy.choose(64) == 1  # 1.5 / 94 ms > 1 / 70 ms * 1.05
