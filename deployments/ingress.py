@@ -330,6 +330,19 @@ class SpecDecodeIngress:
             except Exception:  # noqa: BLE001 - keep watching
                 logger.exception("placement check failed")
 
+    async def policy_state(self) -> dict:
+        """What the adaptive policy has learned on this replica, per drafter: step costs (ms) and acceptance."""
+        state = {}
+        for drafter, costs in self.costs.items():
+            counts = self.acceptance.get(drafter)
+            state[drafter] = {
+                "verify_ms": {n: round(s * 1000, 2) for n, s in sorted(costs.verify_s.items())},
+                "propose_ms": {k: round(s * 1000, 2) for k, s in sorted(costs.propose_s.items())},
+                "overhead_ms": round(costs.overhead_s * 1000, 2),
+                "acceptance_by_position": [round(counts.rate(j), 3) for j in range(len(counts.reached))] if counts else [],
+            }
+        return state
+
     async def recent_handoffs(self) -> list[dict]:
         """Where the last KV handoffs went: prefill node, verify node, bytes, and what the ingress held."""
         return list(self.handoffs)

@@ -228,6 +228,12 @@ def cmd_bench_grpc(args) -> int:
         with SpecDecodeClient(address) as client:
             report = bench_grpc.run(client, num_prompts=args.prompts, max_new_tokens=args.max_new_tokens,
                                     prompt_set=args.prompt_set, policies=args.policies.split(",") if args.policies else None)
+        if local is not None:  # what the server's adaptive policy learned during the run
+            from ray import serve
+
+            ingress = serve.get_deployment_handle("SpecDecodeIngress", app_name=cluster.DEFAULT_APP_NAME)
+            report["server_policy_state"] = ingress.policy_state.remote().result(timeout_s=30)
+            print(f"server's adaptive policy state: {json.dumps(report['server_policy_state'])}")
     finally:
         if local is not None:
             local.stop()

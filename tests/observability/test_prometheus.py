@@ -26,6 +26,7 @@ LOAD = [  # (policy, stream?)
     (dict(drafter="prompt_lookup", num_draft_tokens=3), True),
     (dict(speculate=False), False),
     (dict(drafter="model", num_draft_tokens=2), True),
+    (dict(drafter="eagle", num_draft_tokens=1, overlap=True), True),  # pre-drafting: the hit-rate panel
 ]
 PROMPTS = ["Count from 1 to 10.", "List three primary colors.", "What is the capital of France?"]
 
@@ -104,6 +105,7 @@ def test_values_match_what_the_client_saw(loaded):
     assert 0 < drafted and 0 <= accepted <= drafted
     assert value('sum(ray_splitspec_requests_total{outcome="ok"})') == len(LOAD)
     assert value('sum(ray_splitspec_requests_total{outcome="INVALID_ARGUMENT"})') == 2
+    assert 0 <= value("sum(ray_splitspec_pre_draft_hits_total)") <= value("sum(ray_splitspec_pre_drafts_total)") > 0
     acceptance = next(p for p in dashboard.PANELS if p.title == "Acceptance rate").targets[0][1]
     length = next(p for p in dashboard.PANELS if p.title == "Mean acceptance length").targets[0][1]
     print(f"\nacceptance panel: {value(acceptance):.3f} (counters: accepted {accepted:g} / drafted {drafted:g}); "
