@@ -33,6 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 EMA_WEIGHT = 0.2  # weight of a new measurement in the moving averages
+OUTLIER_CAP = 2.0  # a measurement counts as at most this many times the current average
 VERIFY_GROWTH = 0.2  # prior: each extra token scored costs 20% of a one-token pass (CPU, small models)
 PRIOR_RATE = 0.5  # acceptance assumed at a position nobody has measured
 PRIOR_WEIGHT = 8.0  # how many steps the prior counts for, against a request's own
@@ -181,5 +182,6 @@ def _extrapolate(averages: dict[int, float], key: int, scale) -> float | None:
 
 
 def _ema(averages: dict[int, float], key: int, value: float) -> None:
+    """Moving average; one slow call (a pause, another process's burst) counts as at most OUTLIER_CAP x the average."""
     old = averages.get(key)
-    averages[key] = value if old is None else (1 - EMA_WEIGHT) * old + EMA_WEIGHT * value
+    averages[key] = value if old is None else (1 - EMA_WEIGHT) * old + EMA_WEIGHT * min(value, OUTLIER_CAP * old)

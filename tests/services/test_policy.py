@@ -166,3 +166,10 @@ def test_per_step_overhead_dilutes_the_cost_of_drafting():
     costs.observe_overhead(0.030)
     assert costs.step(0) == pytest.approx(0.070) and costs.step(1) == pytest.approx(0.094)
     assert policy.choose(64) == 1  # 1.5 / 94 ms > 1 / 70 ms * 1.05
+
+
+def test_one_slow_call_moves_the_cost_average_little():
+    costs = CostModel()
+    costs.observe_verify(2, 0.050)
+    costs.observe_verify(2, 5.0)  # a pause: counted as twice the average at most
+    assert costs.verify(2) == pytest.approx(0.8 * 0.050 + 0.2 * 0.100)
