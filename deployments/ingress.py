@@ -90,7 +90,7 @@ class SpecDecodeIngress:
     async def Generate(self, request: pb.GenerateRequest, grpc_context) -> pb.GenerateResponse:
         timer = _Timer()
         try:
-            plan = self._plan(request)
+            plan = await asyncio.get_running_loop().run_in_executor(None, self._plan, request)  # tokenising: off the event loop
             text, token_ids, finish_reason = await asyncio.wait_for(
                 self._collect(plan, timer), timeout=self.config.limits.request_timeout_s
             )
@@ -114,7 +114,7 @@ class SpecDecodeIngress:
         timer = _Timer()
         deadline = time.monotonic() + self.config.limits.request_timeout_s
         try:
-            plan = self._plan(request)
+            plan = await asyncio.get_running_loop().run_in_executor(None, self._plan, request)  # tokenising: off the event loop
             completion = 0
             async for step, token_ids, text in self._text_steps(plan, timer):
                 if time.monotonic() > deadline:

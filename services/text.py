@@ -49,6 +49,10 @@ class TextStream:
     ``push(tokens)`` takes one step's tokens and returns (the tokens kept, new
     text that is safe to emit); text that may still become a stop sequence or
     an incomplete UTF-8 character is held back until ``flush()``.
+
+    Decoding is incremental (as vLLM's detokenizer): each step decodes a
+    window from the last point where the text was complete, not the whole
+    output, so a request's detokenisation costs O(n), not O(n^2).
     """
 
     def __init__(self, tokenizer, stop: Sequence[str] = ()):
@@ -57,6 +61,9 @@ class TextStream:
         self.token_ids: list[int] = []
         self.text = ""  # text emitted so far
         self.stopped = False  # a stop sequence was generated
+        self._stable = ""  # text of token_ids[:_read], final (ends on a whole character)
+        self._prefix = 0  # window start: the tokens before _read whose text is already in _stable
+        self._read = 0
 
     def push(self, token_ids: Sequence[int]) -> tuple[list[int], str]:
         if self.stopped:
@@ -76,7 +83,22 @@ class TextStream:
         return self._emit(self._decode())
 
     def _decode(self) -> str:
-        return self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
+        """The text of every token so far, decoding only the window since the last complete character."""
+        if self._read == len(self.token_ids):
+            return self._stable
+        known = self.tokenizer.decode(self.token_ids[self._prefix : self._read], skip_special_tokens=True)
+        window = self.tokenizer.decode(self.token_ids[self._prefix :], skip_special_tokens=True)
+        if not window.startswith(known):  # the tokenizer changed text across the window's start: decode it all
+            full = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
+            if not full.endswith(REPLACEMENT_CHAR):
+                self._stable, self._prefix, self._read = full, len(self.token_ids), len(self.token_ids)
+            return full
+        new = window[len(known) :]
+        if not new.endswith(REPLACEMENT_CHAR):  # complete: the window moves on
+            self._stable += new
+            self._prefix, self._read = self._read, len(self.token_ids)
+            return self._stable
+        return self._stable + new
 
     def _cut_at_stop(self) -> bool:
         text = self._decode()

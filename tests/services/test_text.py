@@ -60,3 +60,24 @@ def test_prompt_or_messages(tokenizer):
         encode_prompt(tokenizer, "", [("robot", "hi")])
     chat = encode_prompt(tokenizer, "", [("user", "hi")])
     assert chat == tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=True)["input_ids"]
+
+
+class _CountingTokenizer:
+    """The real tokenizer, recording how many ids each decode call reads."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.lengths = tokenizer, []
+
+    def decode(self, ids, **kwargs):
+        self.lengths.append(len(ids))
+        return self.tokenizer.decode(ids, **kwargs)
+
+
+def test_long_output_decodes_in_bounded_windows(tokenizer):
+    """O(n) detokenisation: every decode reads a short window, and the text still equals a full decode."""
+    sentence = "Naïve café ☕ 日本語 — the quick brown fox jumps over the lazy dog. "
+    ids = tokenizer(sentence * 40, add_special_tokens=False)["input_ids"]
+    counting = _CountingTokenizer(tokenizer)
+    text, kept, _ = _run(counting, ids, ["never appears"], step=3)
+    assert text == tokenizer.decode(ids, skip_special_tokens=True) and kept == ids
+    assert len(ids) > 500 and max(counting.lengths) <= 16
