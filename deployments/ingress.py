@@ -12,6 +12,7 @@ import logging
 import time
 from collections import defaultdict, deque
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import ray
@@ -79,6 +80,8 @@ class SpecDecodeIngress:
         self.unplaceable: dict[str, str] = {}
         self.handoffs: deque[dict] = deque(maxlen=RECENT_HANDOFFS)
         self.metrics = RequestMetrics()
+        # tokenising runs off the event loop, on one thread (a fast tokenizer is not safe for concurrent encodes)
+        self._tokenizing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="splitspec-tokenize")
         # what the adaptive policy learns, per ingress replica: stage-call costs and each drafter's acceptance
         self.costs = defaultdict(CostModel)
         self.acceptance = defaultdict(AcceptanceCounts)
@@ -90,7 +93,7 @@ class SpecDecodeIngress:
     async def Generate(self, request: pb.GenerateRequest, grpc_context) -> pb.GenerateResponse:
         timer = _Timer()
         try:
-            plan = await asyncio.get_running_loop().run_in_executor(None, self._plan, request)  # tokenising: off the event loop
+            plan = await asyncio.get_running_loop().run_in_executor(self._tokenizing, self._plan, request)
             text, token_ids, finish_reason = await asyncio.wait_for(
                 self._collect(plan, timer), timeout=self.config.limits.request_timeout_s
             )
@@ -114,7 +117,7 @@ class SpecDecodeIngress:
         timer = _Timer()
         deadline = time.monotonic() + self.config.limits.request_timeout_s
         try:
-            plan = await asyncio.get_running_loop().run_in_executor(None, self._plan, request)  # tokenising: off the event loop
+            plan = await asyncio.get_running_loop().run_in_executor(self._tokenizing, self._plan, request)
             completion = 0
             async for step, token_ids, text in self._text_steps(plan, timer):
                 if time.monotonic() > deadline:
