@@ -272,7 +272,12 @@ class SpecDecodeIngress:
             results.verdict = await self._call("verify", request)
             results.verify_s = time.perf_counter() - start
 
-        await asyncio.gather(*([propose()] if calls.propose else []), *([verify_()] if calls.verify else []))
+        # both calls end before an error of either is raised: none outlives its request (or its session's close)
+        outcomes = await asyncio.gather(*([propose()] if calls.propose else []), *([verify_()] if calls.verify else []),
+                                        return_exceptions=True)
+        for outcome in outcomes:
+            if isinstance(outcome, BaseException):
+                raise outcome
         return results
 
     async def _call(self, stage: str, response):

@@ -190,11 +190,14 @@ class SpeculativeLoop:
                 self.policy.costs.observe_overhead(now - step_start - calls_s)
             step_start, calls_s = now, 0.0
             pre_draft = None
-            if self.drafting and self.overlap:
+            if self.drafting and self.overlap and remaining > 1:  # (at 1, this step's token is the last)
                 block, block_probs = block[: remaining - 1], block_probs[: remaining - 1] if block_probs is not None else None
                 # draft a block after each likely verdict on this block, while the verifier checks it
                 k_after = self.policy.choose_hidden() if self.policy is not None else self.num_draft_tokens
+                k_after = min(k_after, max(1, remaining - 2))  # the next step can use at most remaining - 2
                 pre_draft = Propose(k_after, accepts, list(block), self.guesses)
+            elif self.drafting and self.overlap:
+                block, block_probs = [], None
             elif self.drafting:
                 k = self._choose_k(remaining)
                 block, block_probs = [], None

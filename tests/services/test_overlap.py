@@ -29,7 +29,7 @@ def test_greedy_equals_target_alone(tiny, tiny_engines, drafter, k, guesses):
         result = generate(prefill, draft, verify, prompt, max_new_tokens=NEW_TOKENS, num_draft_tokens=k,
                           params=SamplingParams(), drafter=drafter, overlap=True, guesses=guesses)
         assert result.token_ids == greedy_reference(target.model, prompt, NEW_TOKENS), f"prompt {prompt}"
-        assert result.stats.pre_drafts == result.stats.steps  # every verification overlapped a pre-draft
+        assert result.stats.pre_drafts >= result.stats.steps - 1  # every verification but the last overlapped one
         hits += result.stats.pre_draft_hits
     assert hits > 0, "no pre-drafted block was used: the hit path was not exercised"
 
