@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
 from pathlib import Path
@@ -30,8 +29,6 @@ import torch
 
 TINY_PROMPTS = [[1, 5, 7, 9, 11], [1, 20], [1, 30, 31, 32, 30, 31], [1, 40, 41, 42, 43, 44, 45, 46]]
 NEW_TOKENS = 48
-CHI2_Z = 3.719  # one-sided, ~1e-4 false alarms per check
-MIN_EXPECTED = 5
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -148,15 +145,16 @@ def _rollback(device) -> str:
 
 
 def _chi_square(device, draws: int) -> str:
+    from services.prefill import PrefillEngine
     from services.sampling import SamplingParams, logits_to_probs
     from services.verify import VerifyEngine
+    from splitspec.chi_square import chi_square, threshold
 
     target, _ = _tiny(device)
     verify = VerifyEngine(target)
-    prefill_cache_engine = _engines(target, target)[0]
     prompt, first = TINY_PROMPTS[3][:5], 44
     params = SamplingParams(temperature=1.0)
-    payload = prefill_cache_engine.prefill(prompt, params).payload
+    payload = PrefillEngine(target).prefill(prompt, params).payload
     with torch.inference_mode():
         logits = target.model(input_ids=torch.tensor([prompt + [first]], device=target.model.device)).logits[0, -1:]
     p = logits_to_probs(logits.float().cpu(), params)[0]  # [V]
@@ -170,28 +168,19 @@ def _chi_square(device, draws: int) -> str:
         verdict = verify.verify("chi", [x], q[None])
         counts[verdict.token_ids[0]] += 1
         verify.close("chi")
-    expected = p * draws
-    big = expected >= MIN_EXPECTED
-    obs = torch.cat([counts[big], counts[~big].sum()[None]]).double()
-    exp = torch.cat([expected[big], expected[~big].sum()[None]]).double()
-    keep = exp > 0
-    stat = float((((obs[keep] - exp[keep]) ** 2) / exp[keep]).sum())
-    df = int(keep.sum()) - 1
-    threshold = df * (1 - 2 / (9 * df) + CHI2_Z * math.sqrt(2 / (9 * df))) ** 3
     assert counts[p == 0].sum() == 0, "sampled a token of probability zero"
-    assert stat < threshold, f"chi2 = {stat:.1f} over {df} dof (threshold {threshold:.1f})"
-    return f"{draws} draws: chi2 = {stat:.1f} over {df} dof (threshold {threshold:.1f})"
+    stat, df = chi_square(counts, p)
+    assert df >= 1, "the target's distribution is too concentrated for a chi-square test"
+    assert stat < threshold(df), f"chi2 = {stat:.1f} over {df} dof (threshold {threshold(df):.1f})"
+    return f"{draws} draws: chi2 = {stat:.1f} over {df} dof (threshold {threshold(df):.1f})"
 
 
 def _speed(device, dtype: str, pair: str) -> str:
-    from services.draft import DraftEngine
     from services.loading import load_causal_lm
     from services.loop import generate
     from services.models import default_pair
     from services.models.distill import chat_ids
-    from services.prefill import PrefillEngine
     from services.sampling import SamplingParams
-    from services.verify import VerifyEngine
 
     dtype = dtype or ("bfloat16" if device.type == "cuda" else "float32")
     target_dir, draft_dir = default_pair.target_dir(), default_pair.drafter_dir()
@@ -207,26 +196,25 @@ def _speed(device, dtype: str, pair: str) -> str:
         target, draft = _tiny(device)
         pair = "tiny pair" if pair == "tiny" else "tiny pair (the default pair is not prepared here)"
         prompts, n = TINY_PROMPTS, NEW_TOKENS
-    prefill, drafts, verify = PrefillEngine(target), DraftEngine(draft), VerifyEngine(target)
-    rates, identical = {}, True
+    prefill, drafts, verify = _engines(target, draft)
+    rates, expected = {}, None
     _reference(target.model, prompts[0], 4)  # warm up
     generate(prefill, drafts, verify, prompts[0], max_new_tokens=4, num_draft_tokens=2, params=SamplingParams())
     for name, engine, k in (("target alone (generate)", None, 0), ("speculation off", None, 1),
                             ("speculative k=2", drafts, 2), ("speculative k=4", drafts, 4)):
-        tokens, start = 0, time.perf_counter()
+        outputs, start = [], time.perf_counter()
         for prompt in prompts:
             if k == 0:
-                out = _reference(target.model, prompt, n)
+                outputs.append(_reference(target.model, prompt, n))
             else:
-                out = generate(prefill, engine, verify, prompt, max_new_tokens=n, num_draft_tokens=k,
-                               params=SamplingParams()).token_ids
-                identical &= out == _reference(target.model, prompt, n)
-            tokens += len(out)
+                outputs.append(generate(prefill, engine, verify, prompt, max_new_tokens=n, num_draft_tokens=k,
+                                        params=SamplingParams()).token_ids)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        rates[name] = tokens / (time.perf_counter() - start)
+        rates[name] = sum(map(len, outputs)) / (time.perf_counter() - start)
+        expected = outputs if k == 0 else expected  # the first row, target alone; compared outside the timed loop
+        assert outputs == expected, f"{name}: output differs from generate()"
     base = rates["target alone (generate)"]
-    assert identical, "speculative output differs from generate()"
     return f"{pair}: " + ", ".join(f"{name} {r:.1f} tok/s ({r / base:.2f}x)" for name, r in rates.items())
 
 

@@ -8,32 +8,18 @@ from transformers.generation.logits_process import TemperatureLogitsWarper, TopK
 
 from services.errors import InvalidRequestError
 from services.sampling import SamplingParams, logits_to_probs, make_generator, sample, speculative_sample
+from splitspec.chi_square import chi_square, threshold
 
 DRAWS = 12_000
-# z for a one-sided 1e-4 false-alarm rate per case (many parametrised cases run)
-CHI2_Z = 3.719
-MIN_EXPECTED = 5  # chi-square needs >= 5 expected counts per bin
-
-
-def chi2_threshold(df: int, z: float = CHI2_Z) -> float:
-    """Wilson–Hilferty approximation of the chi-square quantile."""
-    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
 
 
 def assert_follows(counts: torch.Tensor, probs: torch.Tensor) -> None:
     """Chi-square goodness of fit of ``counts`` [V] against ``probs`` [V]."""
-    n = counts.sum().item()
-    expected = probs * n
-    big = expected >= MIN_EXPECTED
     assert counts[probs == 0].sum() == 0, "sampled a token of probability zero"
-    obs = torch.cat([counts[big].double(), counts[~big].sum().double()[None]])
-    exp = torch.cat([expected[big].double(), expected[~big].sum().double()[None]])
-    keep = exp > 0
-    obs, exp = obs[keep], exp[keep]
-    if len(obs) < 2:
+    stat, df = chi_square(counts, probs)
+    if df < 1:
         return
-    stat = (((obs - exp) ** 2) / exp).sum().item()
-    assert stat < chi2_threshold(len(obs) - 1), f"chi2={stat:.1f} over {len(obs) - 1} dof"
+    assert stat < threshold(df), f"chi2={stat:.1f} over {df} dof"
 
 
 CASES = [
