@@ -231,17 +231,13 @@ class SpecDecodeIngress:
                                    num_draft_tokens=plan.num_draft_tokens, drafting=draft is not None and not plan.fallback,
                                    policy=policy, overlap=plan.overlap, guesses=PRE_DRAFT_GUESSES[plan.drafter])
             loop.stats = plan.stats
-            steps = loop.run()
-            try:
-                item = next(steps)
-                while True:
-                    if isinstance(item, StepOutput):
-                        yield item
-                        item = next(steps)
-                    else:  # 3.-5. draft, verify, accept (concurrently when pre-drafting)
-                        item = steps.send(await self._execute(item, plan, draft, verify))
-            except StopIteration:
-                return
+            results = None
+            while (item := loop.advance(results)) is not None:
+                if isinstance(item, StepOutput):
+                    yield item
+                    results = None
+                else:  # 3.-5. draft, verify, accept (concurrently when pre-drafting)
+                    results = await self._execute(item, plan, draft, verify)
         finally:
             # close both sessions without waiting (also when the client went away)
             if verify is not None:

@@ -7,11 +7,10 @@ moves the data: ``speculative_decode`` here runs the engines in-process
 over the stage handles (deployments/ingress.py).
 
     loop = SpeculativeLoop(first_token, ...)
-    steps = loop.run()
-    item = next(steps)
-    while True:   # StopIteration ends it
-        if isinstance(item, StepOutput): emit(item); item = next(steps)
-        else: item = steps.send(execute(item))   # item: Calls -> Results
+    results = None
+    while (item := loop.advance(results)) is not None:
+        if isinstance(item, StepOutput): emit(item); results = None
+        else: results = execute(item)   # item: Calls -> Results
 
 Pre-drafting (``overlap=True``, PEARL's post-verify, arXiv 2408.11850):
 while the verifier checks block i, the drafter already drafts beyond it: a
@@ -172,6 +171,16 @@ class SpeculativeLoop:
         self.overlap = overlap
         self.guesses = guesses  # top guesses of the target's next token that a pre-draft drafts a block after
         self.stats = SpeculationStats()
+        self._steps = None
+
+    def advance(self, results: Results | None = None) -> StepOutput | Calls | None:
+        """The next thing to emit or to call, given the results of the last calls; None once the request is done."""
+        if self._steps is None:
+            self._steps = self.run()
+        try:
+            return self._steps.send(results)
+        except StopIteration:
+            return None
 
     def run(self) -> Generator[StepOutput | Calls, Results | None, None]:
         accepts = [Accept(0, self.first_token)]  # verdicts the drafter has not seen: it continues from prefill's token
@@ -314,17 +323,13 @@ def speculative_decode(
 def drive(loop: SpeculativeLoop, draft: DraftEngine | None, verify: VerifyEngine, request_id: str,
           pool: ThreadPoolExecutor | None = None) -> Iterator[StepOutput]:
     """Run ``loop`` over open draft / verify sessions in this process; with ``pool``, pre-drafts run in its thread."""
-    steps = loop.run()
-    try:
-        item = next(steps)
-        while True:
-            if isinstance(item, StepOutput):
-                yield item
-                item = next(steps)
-            else:  # 3.-5. draft, verify, accept
-                item = steps.send(_execute(item, draft, verify, request_id, pool))
-    except StopIteration:
-        return
+    results = None
+    while (item := loop.advance(results)) is not None:
+        if isinstance(item, StepOutput):
+            yield item
+            results = None
+        else:  # 3.-5. draft, verify, accept
+            results = _execute(item, draft, verify, request_id, pool)
 
 
 def _execute(calls: Calls, draft: DraftEngine, verify: VerifyEngine, request_id: str, pool) -> Results:

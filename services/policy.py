@@ -88,7 +88,7 @@ class CostModel:
         _ema(self.propose_s, k, seconds)
 
     def observe_overhead(self, seconds: float) -> None:
-        self.overhead_s = max(0.0, (1 - EMA_WEIGHT) * self.overhead_s + EMA_WEIGHT * seconds) if self.overhead_s else max(0.0, seconds)
+        self.overhead_s = max(0.0, _moving_average(self.overhead_s or None, seconds))
 
     def verify(self, tokens: int) -> float | None:
         return _extrapolate(self.verify_s, tokens, lambda n: 1 + VERIFY_GROWTH * (n - 1))
@@ -184,4 +184,8 @@ def _extrapolate(averages: dict[int, float], key: int, scale) -> float | None:
 def _ema(averages: dict[int, float], key: int, value: float) -> None:
     """Moving average; one slow call (a pause, another process's burst) counts as at most OUTLIER_CAP x the average."""
     old = averages.get(key)
-    averages[key] = value if old is None else (1 - EMA_WEIGHT) * old + EMA_WEIGHT * min(value, OUTLIER_CAP * old)
+    averages[key] = _moving_average(old, value if old is None else min(value, OUTLIER_CAP * old))
+
+
+def _moving_average(old: float | None, value: float) -> float:
+    return value if old is None else (1 - EMA_WEIGHT) * old + EMA_WEIGHT * value
