@@ -229,8 +229,8 @@ class SpecDecodeIngress:
                 policy = AdaptiveK(self.costs[plan.drafter], self.acceptance[plan.drafter], k_max=plan.num_draft_tokens)
             loop = SpeculativeLoop(first_token, max_new_tokens=plan.max_new_tokens, eos=self.target.eos_token_ids,
                                    num_draft_tokens=plan.num_draft_tokens, drafting=draft is not None and not plan.fallback,
-                                   policy=policy, overlap=plan.overlap, guesses=PRE_DRAFT_GUESSES[plan.drafter])
-            loop.stats = plan.stats
+                                   policy=policy, overlap=plan.overlap, guesses=PRE_DRAFT_GUESSES[plan.drafter],
+                                   stats=plan.stats)
             results = None
             while (item := loop.advance(results)) is not None:
                 if isinstance(item, StepOutput):
@@ -253,10 +253,9 @@ class SpecDecodeIngress:
 
         async def propose():
             start = time.perf_counter()
-            accepts = [(a.n_matches, a.next_token, a.features) for a in calls.propose.accepts]
+            p = calls.propose
             try:
-                results.proposal = await self._call("draft", draft.propose.remote(
-                    sid, calls.propose.k, accepts, calls.propose.forced, calls.propose.guesses))
+                results.proposal = await self._call("draft", draft.propose.remote(sid, p.k, p.accepts, p.forced, p.guesses))
                 results.propose_s = time.perf_counter() - start
             except Exception as exc:  # noqa: BLE001 - go on with the target alone
                 self._fall_back(plan, exc, "propose")

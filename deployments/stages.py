@@ -173,12 +173,7 @@ class Draft(_Stage):
         """Accept the verdicts since the last proposal (each ``(n_matches, next_token, features)``), then draft k tokens
         after ``forced`` ones — with ``guesses``, a block of k per likely verdict on them (the block the verifier is
         checking meanwhile: pre-drafting, services.loop)."""
-        def step():
-            for accept in accepts:
-                self.engine.accept(request_id, *accept)
-            return self.engine.propose(request_id, k, forced, guesses)
-
-        return await self._run(step)
+        return await self._run(self.engine.propose, request_id, k, forced, guesses, accepts)
 
     async def close(self, request_id: str) -> None:
         await self._run(self.engine.close, request_id)

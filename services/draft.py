@@ -116,7 +116,7 @@ class ModelDraftSession:
         token_ids, q_rows = [], []
         for _ in range(k):
             logits = self.runner.forward(uncached, self.cache, last_only=True)  # [1, vocab_size]
-            if self.params.greedy:
+            if self.params.greedy:  # q is one-hot at the argmax: no need to build it
                 x = logits.argmax(dim=-1)  # [1]
             else:
                 q = logits_to_probs(logits, self.params)  # [1, vocab_size]
@@ -237,9 +237,13 @@ class DraftEngine:
         generator = make_generator(params.seed, DRAFT_STREAM)
         self.sessions.put(request_id, ModelDraftSession(self.runner, ids, params, generator, cache))
 
-    def propose(self, request_id: str, k: int, forced: Sequence[int] = (), guesses: int = 0) -> DraftProposal:
+    def propose(self, request_id: str, k: int, forced: Sequence[int] = (), guesses: int = 0,
+                accepts: Sequence[tuple] = ()) -> DraftProposal:
         """Draft k tokens after the accepted context, or after ``forced`` tokens that follow it (taken as drafted);
-        with ``guesses``, one block of k per likely verdict on the forced tokens instead (``DraftProposal.branches``)."""
+        with ``guesses``, one block of k per likely verdict on the forced tokens instead (``DraftProposal.branches``).
+        ``accepts``: the verdicts since the last proposal, each ``(n_matches, next_token, features)``, accepted first."""
+        for n_matches, next_token, features in accepts:
+            self.accept(request_id, n_matches, next_token, features)
         validate_num_draft_tokens(k)
         forced = [int(t) for t in forced]
         if len(forced) > MAX_DRAFT_TOKENS or any(not 0 <= t < self.vocab_size for t in forced):

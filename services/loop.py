@@ -33,6 +33,7 @@ import uuid
 from collections.abc import Generator, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -115,8 +116,7 @@ class GenerationResult:
 # -- what the loop asks of the stages, and what it is told ---------------------------------------
 
 
-@dataclass
-class Accept:
+class Accept(NamedTuple):
     """A verdict the drafter has not seen yet: keep n_matches drafts, then next_token."""
 
     n_matches: int
@@ -161,7 +161,8 @@ class SpeculativeLoop:
     """The decisions of one request's decode loop, free of I/O (see the module docstring)."""
 
     def __init__(self, first_token: int, *, max_new_tokens: int, eos: set[int], num_draft_tokens: int,
-                 drafting: bool, policy: AdaptiveK | None = None, overlap: bool = False, guesses: int = 1):
+                 drafting: bool, policy: AdaptiveK | None = None, overlap: bool = False, guesses: int = 1,
+                 stats: SpeculationStats | None = None):
         self.first_token = first_token
         self.max_new_tokens = max_new_tokens
         self.eos = eos
@@ -170,7 +171,7 @@ class SpeculativeLoop:
         self.policy = policy
         self.overlap = overlap
         self.guesses = guesses  # top guesses of the target's next token that a pre-draft drafts a block after
-        self.stats = SpeculationStats()
+        self.stats = stats if stats is not None else SpeculationStats()  # filled as the loop runs
         self._steps = None
 
     def advance(self, results: Results | None = None) -> StepOutput | Calls | None:
@@ -199,14 +200,13 @@ class SpeculativeLoop:
                 self.policy.costs.observe_overhead(now - step_start - calls_s)
             step_start, calls_s = now, 0.0
             pre_draft = None
-            if self.drafting and self.overlap and remaining > 1:  # (at 1, this step's token is the last)
+            if self.drafting and self.overlap:
                 block, block_probs = block[: remaining - 1], block_probs[: remaining - 1] if block_probs is not None else None
-                # draft a block after each likely verdict on this block, while the verifier checks it
-                k_after = self.policy.choose_hidden() if self.policy is not None else self.num_draft_tokens
-                k_after = min(k_after, max(1, remaining - 2))  # the next step can use at most remaining - 2
-                pre_draft = Propose(k_after, accepts, list(block), self.guesses)
-            elif self.drafting and self.overlap:
-                block, block_probs = [], None
+                if remaining > 1:  # (at 1, this step's token is the last)
+                    # draft a block after each likely verdict on this block, while the verifier checks it
+                    k_after = self.policy.choose_hidden() if self.policy is not None else self.num_draft_tokens
+                    k_after = min(k_after, max(1, remaining - 2))  # the next step can use at most remaining - 2
+                    pre_draft = Propose(k_after, accepts, list(block), self.guesses)
             elif self.drafting:
                 k = self._choose_k(remaining)
                 block, block_probs = [], None
@@ -308,9 +308,7 @@ def speculative_decode(
         verify.open(request_id, result.payload, result.first_token, params, features=features)
         loop = SpeculativeLoop(result.first_token, max_new_tokens=max_new_tokens, eos=target.eos_token_ids,
                                num_draft_tokens=num_draft_tokens, drafting=draft is not None, policy=policy,
-                               overlap=overlap, guesses=guesses or PRE_DRAFT_GUESSES[drafter])
-        if stats is not None:
-            loop.stats = stats
+                               overlap=overlap, guesses=guesses or PRE_DRAFT_GUESSES[drafter], stats=stats)
         yield from drive(loop, draft, verify, request_id, pool)
     finally:
         if pool is not None:
@@ -337,9 +335,8 @@ def _execute(calls: Calls, draft: DraftEngine, verify: VerifyEngine, request_id:
 
     def propose():
         start = time.perf_counter()
-        for a in calls.propose.accepts:
-            draft.accept(request_id, a.n_matches, a.next_token, a.features)
-        results.proposal = draft.propose(request_id, calls.propose.k, calls.propose.forced, calls.propose.guesses)
+        p = calls.propose
+        results.proposal = draft.propose(request_id, p.k, p.forced, p.guesses, p.accepts)
         results.propose_s = time.perf_counter() - start
 
     drafting = None

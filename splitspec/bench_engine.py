@@ -65,21 +65,15 @@ class TimedDraft:
     def __init__(self, engine: DraftEngine, costs: StepCosts, drafter: str = MODEL_DRAFTER):
         self.engine, self.costs = engine, costs
         self.drafter = drafter  # the drafter being run (set before each run)
-        self._accept_s = 0.0
 
     def __getattr__(self, name):
         return getattr(self.engine, name)
 
-    def accept(self, request_id: str, *args, **kwargs):
+    def propose(self, request_id: str, *args, **kwargs):
+        """Timed with the verdicts it catches up with (drafting work: EAGLE extends its head there)."""
         start = time.perf_counter()
-        self.engine.accept(request_id, *args, **kwargs)
-        self._accept_s = time.perf_counter() - start  # drafting work (EAGLE extends its head here): charged to the next proposal
-
-    def propose(self, request_id: str, k: int, forced=()):
-        start = time.perf_counter()
-        proposal = self.engine.propose(request_id, k, forced)
-        seconds = time.perf_counter() - start + self._accept_s
-        self._accept_s = 0.0
+        proposal = self.engine.propose(request_id, *args, **kwargs)
+        seconds = time.perf_counter() - start
         if proposal.token_ids:
             self.costs.draft_token_s[self.drafter].append(seconds / len(proposal.token_ids))
         return proposal
