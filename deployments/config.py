@@ -40,6 +40,9 @@ class StageConfig(_Strict):
     num_replicas: int = Field(1, ge=1, description="replicas of this stage")
     threads: int = Field(1, ge=1, description="torch intra-op threads per replica")
     max_ongoing_requests: int = Field(16, ge=1, description="concurrent calls a replica accepts")
+    max_batch_rows: int = Field(
+        32, ge=1, description="rows (tokens) one batched pass takes from concurrent sessions' calls (verify)"
+    )
     placement: Placement = Field(default_factory=Placement, description="hardware pinning of this stage")
     device: str = Field("cpu", description="where the stage's model and KV live: cpu or cuda (needs placement.num_gpus > 0)")
     dtype: str = Field("", description="weights dtype of this stage (float32, bfloat16, float16); empty = models.dtype")
@@ -59,6 +62,10 @@ class SpeculationDefaults(_Strict):
     )
     overlap: bool = Field(
         False, description="pre-draft: the draft stage drafts beyond the block the verifier is checking (services.loop)"
+    )
+    off_above_concurrency: int = Field(
+        4, ge=0, description="adaptive k drafts nothing while an ingress replica serves more requests than this "
+        "(the verifier batches their tokens instead); 0 = no limit. A request that pins k keeps it",
     )
 
 

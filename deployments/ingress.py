@@ -85,6 +85,7 @@ class SpecDecodeIngress:
         # what the adaptive policy learns, per ingress replica: stage-call costs and each drafter's acceptance
         self.costs = defaultdict(CostModel)
         self.acceptance = defaultdict(AcceptanceCounts)
+        self.active = 0  # requests between prefill and their last step on this replica (the adaptive policy's load)
         self._check_placement()
         self._watchdog = asyncio.get_event_loop().create_task(self._watch_placement())
 
@@ -197,6 +198,7 @@ class SpecDecodeIngress:
         elif plan.speculate and not features:
             started = self.draft.start.remote(sid, plan.prompt_ids, params, plan.drafter)
         draft = verify = None
+        self.active += 1
         try:
             handoff = await self._call("prefill", prefilled)
             timer.prefill_ms = timer.ms()
@@ -226,7 +228,8 @@ class SpecDecodeIngress:
             timer.ttft_ms = timer.ms()
             policy = None
             if plan.adaptive:
-                policy = AdaptiveK(self.costs[plan.drafter], self.acceptance[plan.drafter], k_max=plan.num_draft_tokens)
+                policy = AdaptiveK(self.costs[plan.drafter], self.acceptance[plan.drafter], k_max=plan.num_draft_tokens,
+                                   load=lambda: self.active, max_load=self.config.speculation.off_above_concurrency)
             loop = SpeculativeLoop(first_token, max_new_tokens=plan.max_new_tokens, eos=self.target.eos_token_ids,
                                    num_draft_tokens=plan.num_draft_tokens, drafting=draft is not None and not plan.fallback,
                                    policy=policy, overlap=plan.overlap, guesses=PRE_DRAFT_GUESSES[plan.drafter],
@@ -239,6 +242,7 @@ class SpecDecodeIngress:
                 else:  # 3.-5. draft, verify, accept (concurrently when pre-drafting)
                     results = await self._execute(item, plan, draft, verify)
         finally:
+            self.active -= 1
             # close both sessions without waiting (also when the client went away)
             if verify is not None:
                 verify.close.remote(sid)

@@ -28,6 +28,8 @@ from ray.serve.metrics import Counter, Gauge, Histogram
 LATENCY_S = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]
 # Tokens emitted per verify step: 1 (nothing accepted) .. MAX_DRAFT_TOKENS + 1.
 ACCEPTED_LENGTH = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 12, 14, 16, 17]
+# Calls / rows per batched engine pass.
+BATCH_SIZE = [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64]
 
 # name -> (kind, description, tag keys); the dashboards may use exactly these (tests check both ways).
 METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
@@ -51,7 +53,10 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "splitspec_accepted_length": ("histogram", "Tokens emitted per verify step (accepted drafts + recovered or bonus).", ()),
     "splitspec_open_sessions": ("gauge", "Sessions open on this draft / verify replica.", ("stage",)),
     "splitspec_kv_bytes_held": ("gauge", "KV bytes held by this draft / verify replica.", ("stage",)),
+    "splitspec_batch_calls": ("histogram", "Sessions' calls batched into one engine pass, by stage.", ("stage",)),
+    "splitspec_batch_rows": ("histogram", "Rows (tokens) of one batched engine pass, by stage.", ("stage",)),
 }
+BUCKETS = {"splitspec_accepted_length": ACCEPTED_LENGTH, "splitspec_batch_calls": BATCH_SIZE, "splitspec_batch_rows": BATCH_SIZE}
 
 
 class Metrics:
@@ -66,7 +71,7 @@ class Metrics:
             elif kind == "gauge":
                 self._m[name] = Gauge(name, description=description, tag_keys=tags)
             else:
-                buckets = ACCEPTED_LENGTH if name == "splitspec_accepted_length" else LATENCY_S
+                buckets = BUCKETS.get(name, LATENCY_S)
                 self._m[name] = Histogram(name, description=description, boundaries=buckets, tag_keys=tags)
 
     def inc(self, name: str, value: float = 1.0, **tags: str) -> None:
@@ -81,13 +86,15 @@ class Metrics:
 
 
 SESSION_GAUGES = ("splitspec_open_sessions", "splitspec_kv_bytes_held")
+BATCH_HISTOGRAMS = ("splitspec_batch_calls", "splitspec_batch_rows")
+REPLICA_METRICS = SESSION_GAUGES + BATCH_HISTOGRAMS  # recorded by the stage replicas, not the ingress
 
 
 class RequestMetrics:
     """What the ingress records for each request, step and stage call (every metric but the session gauges)."""
 
     def __init__(self):
-        self.m = Metrics(name for name in METRICS if name not in SESSION_GAUGES)
+        self.m = Metrics(name for name in METRICS if name not in REPLICA_METRICS)
 
     def started(self, prompt_tokens: int) -> None:
         self.m.inc("splitspec_prompt_tokens", prompt_tokens)
@@ -134,11 +141,15 @@ class RequestMetrics:
 
 
 class SessionMetrics:
-    """Open sessions and KV bytes of one draft / verify replica."""
+    """Open sessions and KV bytes of one draft / verify replica, and the size of its batched passes."""
 
     def __init__(self, stage: str):
         self.stage = stage
-        self.m = Metrics(SESSION_GAUGES)
+        self.m = Metrics(REPLICA_METRICS)
+
+    def batched_pass(self, calls: int, rows: int) -> None:
+        self.m.observe("splitspec_batch_calls", calls, stage=self.stage)
+        self.m.observe("splitspec_batch_rows", rows, stage=self.stage)
 
     def update(self, sessions: int, kv_bytes: int) -> None:
         self.m.set("splitspec_open_sessions", sessions, stage=self.stage)

@@ -2,7 +2,8 @@
 
 Each replica owns one engine and runs every engine call on one worker thread
 (the engines are not thread-safe, and the event loop stays free to take the
-next call); torch uses ``threads`` cores. Placement (labels / resources),
+next call); torch uses ``threads`` cores. Verify calls of concurrent sessions
+are batched into one target pass (``deployments.batching``). Placement (labels / resources),
 replicas and the router are set by ``deployments.app`` from the config.
 """
 
@@ -19,6 +20,7 @@ from pathlib import Path
 import ray
 from ray import serve
 
+from deployments.batching import ContinuousBatcher
 from deployments.config import AppConfig
 from deployments.metrics import SessionMetrics
 from services import eagle_draft
@@ -27,7 +29,7 @@ from services.loading import LoadedModel, check_device, config_of, load_causal_l
 from services.prefill import PrefillEngine
 from services.runner import warm_up
 from services.sampling import SamplingParams
-from services.verify import VerifyEngine, VerifyResult
+from services.verify import VerifyCall, VerifyEngine, VerifyResult
 
 logger = logging.getLogger(__name__)
 
@@ -193,6 +195,10 @@ class Verify(_Stage):
             max_kv_bytes=self.config.limits.max_kv_bytes
         )
         warm_up(self.engine.runner)
+        self.batcher = ContinuousBatcher(
+            self._verify_pass, max_rows=self.config.stage(self.stage).max_batch_rows,
+            on_pass=lambda p: self.session_metrics.batched_pass(p.calls, p.rows),
+        )
 
     async def open(self, request_id: str, handoff: KVHandoff, params: SamplingParams, features: bool = False) -> SessionOpened:
         """``features``: each verdict carries the target's features of the accepted positions (feature drafters)."""
@@ -204,7 +210,11 @@ class Verify(_Stage):
         return SessionOpened(*_identity(), handoff_ms=handoff_ms, resolved_bytes=payload.nbytes)
 
     async def verify(self, request_id: str, draft_ids: list[int], draft_probs=None) -> VerifyResult:
-        return await self._run(self.engine.verify, request_id, draft_ids, draft_probs)
+        """Joins the next target pass with the other sessions' verify calls (continuous batching)."""
+        return await self.batcher.submit(VerifyCall(request_id, list(draft_ids), draft_probs))
+
+    async def _verify_pass(self, calls: list[VerifyCall]) -> list:
+        return await self._run(self.engine.verify_batch, calls)
 
     async def close(self, request_id: str) -> None:
         await self._run(self.engine.close, request_id)

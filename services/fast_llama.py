@@ -32,9 +32,13 @@ class Linear:
     full bandwidth (GEMV), about twice as fast as with W stored [out, in]; for
     a few rows the small-M GEMM can be several times slower than
     ``(W @ x^T)^T`` with W stored [out, in] (measured on a 2-core AMD EPYC,
-    MKL). ``kernels.skinny_gemm`` reads the weight once for up to 8 rows.
-    Which wins depends on the BLAS, the CPU and the shape, so the first call
-    of each (shape, rows) times the candidates and remembers the fastest.
+    MKL). ``kernels.skinny_gemm`` reads the weight once for a few rows and
+    is used whenever it is built: it is as fast as the best BLAS call up to
+    ``SKINNY_MAX_ROWS`` rows (measured), and its rows do not depend on each
+    other, so batching sessions' verify chunks leaves each one's logits
+    bit-identical. Without it, which BLAS call wins depends on the BLAS, the
+    CPU and the shape, so the first call of each (shape, rows) times the
+    candidates and remembers the fastest.
     """
 
     _plans: dict[tuple[int, int, int, int], str] = {}  # (out, in, rows, threads) -> fastest variant
@@ -63,6 +67,9 @@ class Linear:
         n = x.shape[0]
         if Linear.forced_variant is not None:
             return getattr(self, "_" + Linear.forced_variant)(x)
+        if n <= kernels.SKINNY_MAX_ROWS and self.weight.dtype == torch.float32 and kernels.skinny_gemm() is not None:
+            # batch-invariant: a row's product is the same bits whatever rows share the call (batched verify)
+            return self._skinny(x)
         if n > AUTOTUNE_MAX_ROWS:
             return self._row_major(x)
         key = (*self.weight.shape, n, torch.get_num_threads())
@@ -203,35 +210,68 @@ class FastLlamaRunner:
         return_features: bool = False,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # [n, vocab_size] ([1, vocab_size] with last_only)
         """Next-token logits; with ``return_features`` also the final-norm output of every row, [n, hidden] (EAGLE's feature)."""
-        n, start = input_ids.shape[0], cache.seq_len
-        end = start + n
-        cache.reserve(end)
-        h, h_kv, d = self.num_heads, self.num_kv_heads, self.head_dim
-        cos, sin = self._rope(torch.arange(start, end))  # [n, d]
-        mask = None
-        if n > 1:  # causal over the new positions; all cached positions visible
-            mask = torch.ones(n, end, dtype=torch.bool).tril_(diagonal=start)
-        x = F.embedding(input_ids, self.embed)  # [n, hidden]
-        for i, (ln1, w_qkv, w_o, ln2, w_gu, w_down) in enumerate(self.layers):
-            qkv = w_qkv(self._rms_norm(x, ln1))  # [n, (h + 2 h_kv) * d]
-            q = qkv[:, : h * d].view(n, h, d).transpose(0, 1)  # [h, n, d]
-            k = qkv[:, h * d : (h + h_kv) * d].view(n, h_kv, d).transpose(0, 1)  # [h_kv, n, d]
-            v = qkv[:, (h + h_kv) * d :].view(n, h_kv, d).transpose(0, 1)
-            q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
-            cache.buffer[i, 0, :, start:end] = k
-            cache.buffer[i, 1, :, start:end] = v
-            keys = cache.buffer[i, 0, :, :end]  # [h_kv, end, d]
-            values = cache.buffer[i, 1, :, :end]
-            attn = F.scaled_dot_product_attention(
-                q[None], keys[None], values[None], attn_mask=mask, scale=self.scaling, enable_gqa=True
-            )  # [1, h, n, d]
-            x = x + w_o(attn[0].transpose(0, 1).reshape(n, h * d))
-            gate, up = w_gu(self._rms_norm(x, ln2)).chunk(2, dim=-1)  # 2 x [n, inter]
-            x = x + w_down(F.silu(gate) * up)
-        cache.seq_len = end
+        x = self._layers([(input_ids, cache)])  # [n, hidden]
         if last_only and not return_features:
             x = x[-1:]  # only the last row is needed
         features = self._rms_norm(x, self.norm)  # [m, hidden]: the final-norm output (EAGLE's feature)
-        logits = self.head(features[-1:] if last_only else features).float()  # [1 or n, N]
-        logits = logits if self.kept_ids is None else scatter_kept(logits, self.kept_ids, self.vocab_size)
+        logits = self._head(features[-1:] if last_only else features)  # [1 or n, vocab_size]
         return (logits, features) if return_features else logits
+
+    @torch.inference_mode()
+    def forward_batch(
+        self, chunks: list[tuple[torch.Tensor, DenseKVCache]]  # per sequence: its new tokens [n_i] and its own KV
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:  # per sequence: logits [n_i, vocab_size], features [n_i, hidden]
+        """One pass over several sequences' chunks (ragged rows): every weight is read once for all of them.
+
+        Each sequence attends only to its own KV; a row's logits are what ``forward`` gives for its chunk alone.
+        """
+        sizes = [ids.shape[0] for ids, _ in chunks]
+        features = self._rms_norm(self._layers(chunks), self.norm)  # [N, hidden], N = sum(sizes)
+        logits = self._head(features)  # [N, vocab_size]
+        return list(logits.split(sizes)), list(features.split(sizes))
+
+    def _head(self, features: torch.Tensor) -> torch.Tensor:  # [m, hidden] -> [m, vocab_size] float32
+        logits = self.head(features).float()  # [m, N kept or vocab_size]
+        return logits if self.kept_ids is None else scatter_kept(logits, self.kept_ids, self.vocab_size)
+
+    def _layers(self, chunks: list[tuple[torch.Tensor, DenseKVCache]]) -> torch.Tensor:  # -> [N, hidden] before the final norm
+        """The decoder layers over the rows of every chunk; appends each chunk's K/V to its cache."""
+        h, h_kv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        spans = []  # per chunk: (row offset, rows, first position, its cache, its causal mask)
+        offset = 0
+        for input_ids, cache in chunks:
+            n, start = input_ids.shape[0], cache.seq_len
+            cache.reserve(start + n)
+            mask = None
+            if n > 1:  # causal over the new positions; all cached positions visible
+                mask = torch.ones(n, start + n, dtype=torch.bool).tril_(diagonal=start)
+            spans.append((offset, n, start, cache, mask))
+            offset += n
+        total = offset
+        positions = torch.cat([torch.arange(start, start + n) for _, n, start, _, _ in spans])  # [N]
+        cos, sin = self._rope(positions)  # [N, d]
+        x = F.embedding(torch.cat([ids for ids, _ in chunks]), self.embed)  # [N, hidden]
+        for i, (ln1, w_qkv, w_o, ln2, w_gu, w_down) in enumerate(self.layers):
+            qkv = w_qkv(self._rms_norm(x, ln1))  # [N, (h + 2 h_kv) * d]
+            q = qkv[:, : h * d].view(total, h, d).transpose(0, 1)  # [h, N, d]
+            k = qkv[:, h * d : (h + h_kv) * d].view(total, h_kv, d).transpose(0, 1)  # [h_kv, N, d]
+            v = qkv[:, (h + h_kv) * d :].view(total, h_kv, d).transpose(0, 1)
+            q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+            outs = []
+            for offset, n, start, cache, mask in spans:
+                end = start + n
+                cache.buffer[i, 0, :, start:end] = k[:, offset : offset + n]
+                cache.buffer[i, 1, :, start:end] = v[:, offset : offset + n]
+                keys = cache.buffer[i, 0, :, :end]  # [h_kv, end, d]
+                values = cache.buffer[i, 1, :, :end]
+                attn = F.scaled_dot_product_attention(
+                    q[None, :, offset : offset + n], keys[None], values[None], attn_mask=mask, scale=self.scaling,
+                    enable_gqa=True,
+                )  # [1, h, n, d]
+                outs.append(attn[0].transpose(0, 1).reshape(n, h * d))
+            x = x + w_o(outs[0] if len(outs) == 1 else torch.cat(outs))
+            gate, up = w_gu(self._rms_norm(x, ln2)).chunk(2, dim=-1)  # 2 x [N, inter]
+            x = x + w_down(F.silu(gate) * up)
+        for _, n, start, cache, _ in spans:
+            cache.seq_len = start + n
+        return x

@@ -26,10 +26,17 @@ from the driver's estimate over earlier requests (``AcceptanceCounts`` with a
 prior weight). Drivers keep one ``CostModel`` per drafter and feed it only
 proposals that followed a proposal (after k = 0 steps a proposal also
 catches the drafter up, which is not what a step of k costs).
+
+Under load the verifier batches the sessions' rows into one pass, and a
+draft row that is rejected takes room from another session's token: with
+more than ``max_load`` requests in flight the policy drafts nothing (the
+rule of vLLM's ``disable_by_batch_size``; SmartSpec, arXiv 2406.14066,
+derives it from goodput). ``splitspec bench load`` measured where it pays.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 EMA_WEIGHT = 0.2  # weight of a new measurement in the moving averages
@@ -130,6 +137,8 @@ class AdaptiveK:
     steps_without_drafting: int = 0
     steps_since_explore: int = 0
     probe_interval: int = 0  # steps at k = 0 before the next probe (starts at probe_every)
+    load: Callable[[], int] | None = None  # requests the driver is serving now, this one included
+    max_load: int = 0  # above this load, k = 0: the verifier batches sessions' rows instead (0 = no limit)
 
     def __post_init__(self):
         self.probe_interval = self.probe_interval or self.probe_every
@@ -137,7 +146,7 @@ class AdaptiveK:
     def choose(self, remaining: int) -> int:
         """k for the next step (at most ``remaining - 1``: the step's own token is always emitted)."""
         k_max = min(self.k_max, remaining - 1)
-        if k_max <= 0:
+        if k_max <= 0 or self.overloaded:
             return 0
         if self.costs.step(1) is None:  # nothing measured yet: speculate once to learn the costs
             return 1
@@ -156,6 +165,12 @@ class AdaptiveK:
             self.probe_interval = min(2 * self.probe_interval, MAX_PROBE_EVERY)
             return 1  # probe: the text may have turned predictable
         return 0
+
+    @property
+    def overloaded(self) -> bool:
+        """Serving more than ``max_load`` requests: a batched pass over every session's one pending token emits more
+        tokens per second in all than passes that also score drafts (vLLM's disable-by-batch-size)."""
+        return bool(self.max_load) and self.load is not None and self.load() > self.max_load
 
     def choose_hidden(self) -> int:
         """k >= 1 for a block drafted while the verifier runs (pre-drafting): its drafting costs no time, so only

@@ -3,7 +3,8 @@
 ``make_runner`` picks the compact Llama forward (``fast_llama``) when the
 model is a plain Llama on the CPU, and transformers' own forward for anything
 else — every model on a GPU. Both give the same interface: ``new_cache``,
-``import_payload``, ``forward``.
+``import_payload``, ``forward``, ``forward_batch`` (several sequences'
+chunks in one pass: the compact forward reads each weight once for all).
 
 On a GPU the forward and the KV stay on the device; the logits come back to
 the host (float32, [n, vocab_size]: a few hundred KB per step), where the
@@ -63,6 +64,14 @@ class ModelRunner:
         if self.kept_ids is not None:
             logits = scatter_kept(logits[:, self.kept_ids], self.kept_ids, logits.shape[-1])
         return (logits, out.hidden_states[-1][0].cpu()) if return_features else logits
+
+
+    def forward_batch(
+        self, chunks: list[tuple[torch.Tensor, KVCache]]  # per sequence: its new tokens [n_i] and its own KV
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:  # per sequence: logits [n_i, vocab_size], features [n_i, hidden]
+        """Each chunk in turn (transformers' cache holds one sequence: no shared pass here, same results)."""
+        outs = [self.forward(ids, cache, return_features=True) for ids, cache in chunks]
+        return [logits for logits, _ in outs], [features for _, features in outs]
 
 
 def make_runner(loaded: LoadedModel, *, fast: bool = True, kept_ids: torch.Tensor | None = None):

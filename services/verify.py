@@ -37,6 +37,21 @@ class VerifySession:
 
 
 @dataclass(frozen=True)
+class VerifyCall:
+    """One session's verify step, as ``VerifyEngine.verify_batch`` takes it."""
+
+    request_id: str
+    draft_token_ids: list[int]  # [k]
+    draft_probs: torch.Tensor | None = None  # [k, vocab_size]; None = one-hot (greedy or deterministic drafter)
+    params: SamplingParams | None = None  # default: the session's; must be what the drafter used
+
+    @property
+    def rows(self) -> int:
+        """Rows this call adds to a target pass: its pending token and its drafts."""
+        return len(self.draft_token_ids) + 1
+
+
+@dataclass(frozen=True)
 class VerifyResult:
     token_ids: list[int]  # accepted draft tokens + the recovered or bonus token
     n_matches: int  # accepted draft tokens
@@ -68,40 +83,74 @@ class VerifyEngine:
         self,
         request_id: str,
         draft_token_ids: list[int],  # [k]
-        draft_probs: torch.Tensor | None,  # [k, vocab_size]; None = one-hot (greedy or deterministic drafter)
+        draft_probs: torch.Tensor | None = None,  # [k, vocab_size]; None = one-hot (greedy or deterministic drafter)
         params: SamplingParams | None = None,  # default: the session's; must be what the drafter used
     ) -> VerifyResult:
         """Score ``pending + draft`` in one pass, accept a prefix, roll back the rest."""
-        session = self.sessions.get(request_id)
-        if params is not None:
-            session.params = params.validate()
-        k = len(draft_token_ids)
+        (result,) = self.verify_batch([VerifyCall(request_id, draft_token_ids, draft_probs, params)])
+        if isinstance(result, Exception):
+            raise result
+        return result
+
+    def verify_batch(self, calls: list[VerifyCall]) -> list[VerifyResult | Exception]:
+        """Verify several sessions in one target pass (ragged rows: each its pending token and its own k drafts).
+
+        Each session attends to its own KV and accepts / rejects with its own sampling parameters and random
+        stream, so its verdict is the one ``verify`` alone gives. A call with bad input (or an unknown session)
+        gets its error in its slot; the others go on.
+        """
+        results: list[VerifyResult | Exception | None] = [None] * len(calls)
+        checked = []  # (slot, call, session, draft [k])
+        for slot, call in enumerate(calls):
+            try:
+                if any(call.request_id == other.request_id for _, other, _, _ in checked):
+                    raise InvalidRequestError(f"session {call.request_id!r} got two verify calls in one pass")
+                checked.append((slot, call, *self._check(call)))
+            except Exception as exc:  # typed errors (services.errors) for the caller of that slot
+                results[slot] = exc
+        if not checked:
+            return results
+        # 1. one target pass over every session's [pending, d_1 .. d_k] gives its p_1 .. p_{k+1}
+        chunks = [(torch.cat([torch.tensor([session.pending]), draft]), session.cache) for _, _, session, draft in checked]
+        starts = [session.cache.seq_len for _, _, session, _ in checked]
+        all_logits, all_features = self.runner.forward_batch(chunks)  # per session: [k + 1, V], [k + 1, hidden]
+        for (slot, call, session, draft), start, logits, features in zip(checked, starts, all_logits, all_features):
+            # 2. exact accept / reject (services.sampling)
+            if session.params.greedy:
+                result = greedy_verify(draft, logits)
+            else:
+                p = logits_to_probs(logits, session.params)  # [k + 1, vocab_size]
+                q = call.draft_probs if call.draft_probs is not None else _one_hot(draft, p.shape[-1])  # [k, vocab_size]
+                result = speculative_sample(draft, q, p, session.generator)
+            # 3. keep KV of pending + accepted drafts; the new pending token is not in the KV yet
+            session.cache.crop(start + 1 + result.n_matches)
+            session.pending = result.token_ids[-1]
+            accepted_features = None
+            if session.features:
+                accepted_features = features[: 1 + result.n_matches].to(FEATURE_DTYPE)  # [n_matches + 1, hidden]
+            results[slot] = VerifyResult(result.token_ids, result.n_matches, result.accepted, accepted_features)
+        for _, call, _, _ in checked:
+            self.sessions.enforce_limits(keep=call.request_id)
+        return results
+
+    def _check(self, call: VerifyCall) -> tuple[VerifySession, torch.Tensor]:  # -> the session, draft ids [k]
+        session = self.sessions.get(call.request_id)
+        k = len(call.draft_token_ids)
         if k > MAX_DRAFT_TOKENS:
             raise InvalidRequestError(f"got {k} draft tokens, at most {MAX_DRAFT_TOKENS} are allowed")
         context = self.target.max_context - session.seq_len
         if k >= context:
             raise InvalidRequestError(f"{k} draft tokens do not fit in the remaining context of {context}")
-        draft = torch.tensor(draft_token_ids, dtype=torch.long)  # [k]
+        draft = torch.tensor(call.draft_token_ids, dtype=torch.long)  # [k]
         if k and not bool(((draft >= 0) & (draft < self.target.vocab_size)).all()):
             raise InvalidRequestError(f"draft token ids must be in [0, {self.target.vocab_size})")
-        start = session.cache.seq_len
-        # 1. one target pass over [pending, d_1 .. d_k] gives p_1 .. p_{k+1}
-        out = self.runner.forward(torch.cat([torch.tensor([session.pending]), draft]), session.cache, return_features=session.features)
-        logits, features = out if session.features else (out, None)  # [k + 1, V], [k + 1, hidden]
-        # 2. exact accept / reject (services.sampling)
-        if session.params.greedy:
-            result = greedy_verify(draft, logits)
-        else:
-            p = logits_to_probs(logits, session.params)  # [k + 1, vocab_size]
-            q = draft_probs if draft_probs is not None else _one_hot(draft, p.shape[-1])  # [k, vocab_size]
-            result = speculative_sample(draft, q, p, session.generator)
-        # 3. keep KV of pending + accepted drafts; the new pending token is not in the KV yet
-        session.cache.crop(start + 1 + result.n_matches)
-        session.pending = result.token_ids[-1]
-        self.sessions.enforce_limits(keep=request_id)
-        if features is not None:
-            features = features[: 1 + result.n_matches].to(FEATURE_DTYPE)  # [n_matches + 1, hidden]
-        return VerifyResult(result.token_ids, result.n_matches, result.accepted, features)
+        if call.draft_probs is not None and tuple(call.draft_probs.shape) != (k, self.target.vocab_size):
+            raise InvalidRequestError(
+                f"draft_probs must be [k, vocab_size] = [{k}, {self.target.vocab_size}], got {list(call.draft_probs.shape)}"
+            )
+        if call.params is not None:
+            session.params = call.params.validate()
+        return session, draft
 
     def close(self, request_id: str) -> None:
         self.sessions.pop(request_id)

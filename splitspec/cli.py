@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import sys
@@ -208,35 +209,43 @@ def cmd_generate(args) -> int:
     return 0
 
 
+@contextlib.contextmanager
+def _service(args):
+    """The gRPC address to benchmark: ``--address``, or a local cluster serving ``--config`` until the block ends.
+
+    Yields (address, local): ``local`` is True when this process started the service (its Serve handles work).
+    """
+    if args.address:
+        yield args.address, False
+        return
+    from services.models import default_pair
+    from splitspec import cluster
+
+    config = _load_config(args.config)  # the built-in defaults without --config
+    default_pair.prepare()
+    local = cluster.LocalCluster(nodes=args.nodes, dashboard=False, log_to_driver=False).start()
+    try:
+        cluster.start_serve(args.grpc_port)
+        cluster.deploy(cluster.placements_for(args.nodes, config))
+        yield f"127.0.0.1:{args.grpc_port}", True
+    finally:
+        local.stop()
+
+
 def cmd_bench_grpc(args) -> int:
     from splitspec import bench_grpc, cluster
     from splitspec.client import SpecDecodeClient
 
-    local = None
-    address = args.address
-    if not address:
-        from services.models import default_pair
-
-        config = _load_config(args.config)  # the built-in defaults without --config
-        default_pair.prepare()
-        local = cluster.LocalCluster(nodes=args.nodes, dashboard=False, log_to_driver=False).start()
-        port = args.grpc_port
-        cluster.start_serve(port)
-        cluster.deploy(cluster.placements_for(args.nodes, config))
-        address = f"127.0.0.1:{port}"
-    try:
+    with _service(args) as (address, local):
         with SpecDecodeClient(address) as client:
             report = bench_grpc.run(client, num_prompts=args.prompts, max_new_tokens=args.max_new_tokens,
                                     prompt_set=args.prompt_set, policies=args.policies.split(",") if args.policies else None)
-        if local is not None:  # what the server's adaptive policy learned during the run
+        if local:  # what the server's adaptive policy learned during the run
             from ray import serve
 
             ingress = serve.get_deployment_handle("SpecDecodeIngress", app_name=cluster.DEFAULT_APP_NAME)
             report["server_policy_state"] = ingress.policy_state.remote().result(timeout_s=30)
             print(f"server's adaptive policy state: {json.dumps(report['server_policy_state'])}")
-    finally:
-        if local is not None:
-            local.stop()
     print(f"\ngRPC, single stream, greedy, {report['prompts']} {report['prompt_set']} prompts x {report['max_new_tokens']} tokens:")
     for name, r in report["policies"].items():
         acc = "" if r["acceptance_rate"] is None else f", acceptance {r['acceptance_rate']:.1%}, mean accepted length {r['mean_accepted_length']:.2f}"
@@ -246,6 +255,38 @@ def cmd_bench_grpc(args) -> int:
     print(f"greedy identical across policies: {report['greedy_identical']}")
     if args.plot:
         bench_grpc.plot(report, args.plot)
+        print(f"wrote {args.plot}")
+    return _write_report(args, report)
+
+
+def cmd_bench_load(args) -> int:
+    from splitspec import bench_grpc, bench_load
+    from splitspec.client import SpecDecodeClient
+
+    prompts = bench_grpc.prompts_of(args.prompt_set)[: args.prompts]
+    levels = [int(c) for c in args.concurrency.split(",")]
+    policies = [p.strip() for p in args.policies.split(",")]
+    print(f"load: {len(prompts)} {args.prompt_set} prompts x {args.max_new_tokens} tokens, greedy, "
+          f"concurrency {levels}" + (f", open loop at {args.rate} req/s" if args.rate else ""))
+    with _service(args) as (address, _):
+        with SpecDecodeClient(address, timeout_s=args.request_timeout) as client:
+            client.wait_ready()
+            report = bench_load.run(client, prompts, policies=policies, concurrency=levels,
+                                    requests_per_level=args.requests_per_level, rate=args.rate,
+                                    open_requests=args.open_requests, max_new_tokens=args.max_new_tokens,
+                                    slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms)
+    print(f"\nSLO: TTFT <= {args.slo_ttft_ms:.0f} ms and TPOT <= {args.slo_tpot_ms:.0f} ms")
+    for name, rows in report["closed_loop"].items():
+        single = rows[str(levels[0])]
+        for c, r in rows.items():
+            print(f"  {name:<15} c={c:<3} {r['output_throughput_tok_s']:7.2f} tok/s ({r['throughput_vs_first']:.2f}x c={levels[0]}), "
+                  f"{r['request_throughput_req_s']:.2f} req/s, goodput {r['goodput_req_s']:.2f} req/s; "
+                  f"ttft p50/p99 {r['ttft_ms']['p50']}/{r['ttft_ms']['p99']} ms; itl p50/p90/p99 "
+                  f"{r['itl_ms']['p50']}/{r['itl_ms']['p90']}/{r['itl_ms']['p99']} ms "
+                  f"({(r['itl_ms']['p99'] or 0) / (single['itl_ms']['p50'] or 1):.2f}x single p50); errors {r['errors'] or 0}")
+    print(f"greedy identical at every concurrency and policy: {report['greedy_identical']}")
+    if args.plot:
+        bench_load.plot(report, args.plot)
         print(f"wrote {args.plot}")
     return _write_report(args, report)
 
@@ -309,6 +350,26 @@ def build_parser() -> argparse.ArgumentParser:
     grpc_bench.add_argument("--plot", help="also write a PNG bar chart of the policies here")
     grpc_bench.add_argument("--policies", help="comma-separated policy names to run (default: all; 'off' always runs)")
     grpc_bench.set_defaults(fn=cmd_bench_grpc)
+    load = bench.add_parser("load", help="throughput and latency percentiles under concurrent streams (closed and open loop)")
+    load.add_argument("--address", help="a running service (default: start a local one)")
+    load.add_argument("--nodes", type=int, default=1, choices=[1, 3])
+    load.add_argument("--config", help="app config YAML of the local service (default: the built-in defaults)")
+    load.add_argument("--grpc-port", type=int, default=9100)
+    load.add_argument("--prompts", type=int, default=16)
+    load.add_argument("--prompt-set", choices=["held_out", "everyday"], default="held_out")
+    load.add_argument("--max-new-tokens", type=int, default=64)
+    load.add_argument("--concurrency", default="1,2,4,8,16,32", help="closed-loop levels, comma separated")
+    load.add_argument("--requests-per-level", type=int, default=0, help="default: max(prompts, 2 x concurrency)")
+    load.add_argument("--rate", type=float, default=0.0, help="also an open loop at this Poisson rate (requests/s)")
+    load.add_argument("--open-requests", type=int, default=32, help="requests of the open loop")
+    load.add_argument("--policies", default="off,server default,eagle k=1",
+                      help="comma-separated, from: off, server default, eagle k=1, eagle k=2")
+    load.add_argument("--slo-ttft-ms", type=float, default=2000.0, help="goodput: time to first token at most this")
+    load.add_argument("--slo-tpot-ms", type=float, default=200.0, help="goodput: time per output token at most this")
+    load.add_argument("--request-timeout", type=float, default=600.0, help="client deadline per request (s)")
+    load.add_argument("--json", help="also write the report as JSON here")
+    load.add_argument("--plot", help="also write PNG plots (throughput, latency vs concurrency) here")
+    load.set_defaults(fn=cmd_bench_load)
 
     serve = sub.add_parser("serve", help="start a local Ray cluster and serve splitspec over gRPC")
     serve.add_argument("--config", help="app config YAML (deployments.config.AppConfig, or a Serve config file)")

@@ -2,7 +2,7 @@
 
 import json
 
-from deployments.metrics import METRICS
+from deployments.metrics import BUCKETS, METRICS
 from splitspec import dashboard
 
 
@@ -31,4 +31,5 @@ def test_counters_histograms_gauges_only_where_they_belong():
     assert gauges == {"splitspec_open_sessions", "splitspec_kv_bytes_held"}
     for name, (kind, description, _) in METRICS.items():
         assert description.endswith(".")
-        assert (kind == "histogram") == (name.endswith("_seconds") or name == "splitspec_accepted_length")
+        # histograms: latencies (seconds) and sizes with their own buckets (accepted length, batch size)
+        assert (kind == "histogram") == (name.endswith("_seconds") or name in BUCKETS)

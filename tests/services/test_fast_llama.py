@@ -51,13 +51,13 @@ def test_cache_grows_past_initial_capacity(tiny):
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 13, 32])
 def test_every_matmul_variant_computes_x_times_w_transposed(rows):
     """Whichever variant the autotuner picks, the product is the same."""
     from services.fast_llama import Linear
 
     gen = torch.Generator().manual_seed(rows)
-    weight = torch.randn(300, 136, generator=gen)  # odd sizes: exercises the kernel's tails
+    weight = torch.randn(303, 136, generator=gen)  # odd sizes: exercises the kernel's tails
     x = torch.randn(rows, 136, generator=gen)
     linear = Linear(weight)
     expected = x @ weight.t()
@@ -65,10 +65,26 @@ def test_every_matmul_variant_computes_x_times_w_transposed(rows):
         torch.testing.assert_close(fn(x), expected, rtol=1e-5, atol=1e-4, msg=name)
 
 
+def test_skinny_kernel_rows_do_not_depend_on_their_batch():
+    """A row's product is bit-identical alone and batched with others (batched verification relies on it)."""
+    from services import kernels
+
+    kernel = kernels.skinny_gemm()
+    if kernel is None:
+        pytest.skip("no compiled kernel here: BLAS fallback")
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(303, 136, generator=gen)
+    x = torch.randn(13, 136, generator=gen)
+    batched = kernel(x, weight)
+    for row in range(13):
+        assert torch.equal(kernel(x[row : row + 1], weight), batched[row : row + 1]), row
+    assert torch.equal(kernel(x[3:10], weight), batched[3:10])
+
+
 def test_skinny_kernel_builds_here():
     """The compiled verify-chunk kernel is available on this machine (AVX2 CPUs)."""
     from services import kernels
 
-    if not kernels._cpu_has_avx2_fma():
+    if not {"avx2", "fma"} <= kernels._cpu_flags():
         pytest.skip("CPU without AVX2/FMA: BLAS fallback is used")
     assert kernels.skinny_gemm() is not None

@@ -8,7 +8,7 @@ import torch
 from services.draft import DraftEngine
 from services.loop import generate
 from services.models import eagle
-from services.policy import AcceptanceCounts, AdaptiveK, CostModel, expected_tokens
+from services.policy import DEFAULT_PROBE_EVERY, AcceptanceCounts, AdaptiveK, CostModel, expected_tokens
 from services.sampling import SamplingParams
 from tests.conftest import greedy_reference
 from tests.services.test_engine import NEW_TOKENS, PROMPTS
@@ -173,3 +173,19 @@ def test_one_slow_call_moves_the_cost_average_little():
     costs.observe_verify(2, 0.050)
     costs.observe_verify(2, 5.0)  # a pause: counted as twice the average at most
     assert costs.verify(2) == pytest.approx(0.8 * 0.050 + 0.2 * 0.100)
+
+
+def test_under_load_adaptive_k_drafts_nothing_and_resumes_after():
+    """Above max_load requests in flight the verifier batches sessions' tokens instead: k = 0, no probes."""
+    load = [1]
+    policy = AdaptiveK(costs(0.040, 0.05, 0.002), k_max=4, load=lambda: load[0], max_load=4)
+    for _ in range(20):
+        policy.observe(3, 3)  # every draft accepted: speculation pays alone
+    assert policy.choose(100) >= 2
+    load[0] = 5
+    assert not any(policy.choose(100) for _ in range(3 * DEFAULT_PROBE_EVERY))
+    load[0] = 4
+    assert policy.choose(100) >= 2
+    unlimited = AdaptiveK(costs(0.040, 0.05, 0.002), k_max=4, load=lambda: 50, max_load=0)
+    unlimited.observe(3, 3)
+    assert unlimited.choose(100) >= 1

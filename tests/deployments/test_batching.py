@@ -1,0 +1,124 @@
+"""ContinuousBatcher: who joins which pass (pure asyncio, a fake pass that records its calls)."""
+
+import asyncio
+from dataclasses import dataclass
+
+import pytest
+
+from deployments.batching import ContinuousBatcher
+
+
+@dataclass(frozen=True)
+class Call:
+    request_id: str
+    rows: int = 2
+
+
+class Engine:
+    """A pass that takes ``seconds`` and records the request ids of each pass."""
+
+    def __init__(self, seconds: float = 0.05, fail: set[str] = frozenset(), crash: bool = False):
+        self.passes: list[list[str]] = []
+        self.seconds, self.fail, self.crash = seconds, fail, crash
+
+    async def run_pass(self, calls):
+        self.passes.append([c.request_id for c in calls])
+        await asyncio.sleep(self.seconds)
+        if self.crash:
+            raise RuntimeError("pass failed")
+        return [ValueError(f"bad {c.request_id}") if c.request_id in self.fail else f"ok {c.request_id}" for c in calls]
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_a_lone_call_starts_at_once():
+    engine = Engine(seconds=0.0)
+
+    async def main():
+        batcher = ContinuousBatcher(engine.run_pass, max_rows=32)
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        result = await batcher.submit(Call("a"))
+        return result, loop.time() - start
+
+    result, waited = run(main())
+    assert result == "ok a" and engine.passes == [["a"]]
+    assert waited < 0.5  # no batching window (generous bound: this only guards against a fixed wait)
+
+
+def test_calls_arriving_during_a_pass_join_the_next_one():
+    engine = Engine()
+
+    async def main():
+        batcher = ContinuousBatcher(engine.run_pass, max_rows=32)
+        first = asyncio.create_task(batcher.submit(Call("a")))
+        await asyncio.sleep(0.01)  # "a" is running now
+        rest = [asyncio.create_task(batcher.submit(Call(name))) for name in "bcd"]
+        return await asyncio.gather(first, *rest)
+
+    assert run(main()) == ["ok a", "ok b", "ok c", "ok d"]
+    assert engine.passes == [["a"], ["b", "c", "d"]]
+
+
+def test_a_pass_takes_at_most_max_rows_and_one_call_per_session():
+    engine = Engine()
+
+    async def main():
+        batcher = ContinuousBatcher(engine.run_pass, max_rows=5)
+        first = asyncio.create_task(batcher.submit(Call("a")))
+        await asyncio.sleep(0.01)
+        calls = [Call("b"), Call("b"), Call("c"), Call("d"), Call("big", rows=9)]
+        rest = [asyncio.create_task(batcher.submit(call)) for call in calls]
+        return await asyncio.gather(first, *rest)
+
+    run(main())
+    # 2 + 2 rows fit in 5; "b" again waits for a pass of its own session's next turn; a call larger than
+    # max_rows runs (alone) rather than never
+    assert engine.passes == [["a"], ["b", "c"], ["b", "d"], ["big"]]
+
+
+def test_errors_reach_only_their_callers():
+    engine = Engine(fail={"b"})
+
+    async def main():
+        batcher = ContinuousBatcher(engine.run_pass, max_rows=32)
+        first = asyncio.create_task(batcher.submit(Call("a")))
+        await asyncio.sleep(0.01)
+        rest = [asyncio.create_task(batcher.submit(Call(name))) for name in "bc"]
+        return await asyncio.gather(first, *rest, return_exceptions=True)
+
+    a, b, c = run(main())
+    assert a == "ok a" and c == "ok c"
+    assert isinstance(b, ValueError) and "bad b" in str(b)
+
+
+def test_a_failed_pass_fails_its_calls_and_the_batcher_goes_on():
+    engine = Engine(crash=True)
+
+    async def main():
+        batcher = ContinuousBatcher(engine.run_pass, max_rows=32)
+        with pytest.raises(RuntimeError, match="pass failed"):
+            await batcher.submit(Call("a"))
+        engine.crash = False
+        return await batcher.submit(Call("b"))
+
+    assert run(main()) == "ok b"
+
+
+def test_a_cancelled_caller_is_dropped_from_the_queue():
+    engine = Engine()
+
+    async def main():
+        batcher = ContinuousBatcher(engine.run_pass, max_rows=32)
+        first = asyncio.create_task(batcher.submit(Call("a")))
+        await asyncio.sleep(0.01)
+        gone = asyncio.create_task(batcher.submit(Call("gone")))
+        kept = asyncio.create_task(batcher.submit(Call("kept")))
+        await asyncio.sleep(0)
+        gone.cancel()
+        return await asyncio.gather(first, kept)
+
+    assert run(main()) == ["ok a", "ok kept"]
+    assert engine.passes == [["a"], ["kept"]]

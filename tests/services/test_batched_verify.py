@@ -1,0 +1,109 @@
+"""Batched verification (VerifyEngine.verify_batch): each session's verdict is the one it gets alone."""
+
+import pytest
+import torch
+
+from services.errors import InvalidRequestError, SessionNotFoundError
+from services.prefill import PrefillEngine
+from services.runner import make_runner
+from services.sampling import SamplingParams
+from services.verify import VerifyCall, VerifyEngine
+
+PROMPTS = [[1, 5, 7, 9, 11], [1, 20], [1, 30, 31, 32, 30, 31], [2], [1, 40, 41, 42, 43, 44, 45, 46], [1, 9, 9, 9]]
+# greedy and seeded sampled sessions in one batch, with their own parameters
+PARAMS = [
+    SamplingParams(),
+    SamplingParams(temperature=0.8, seed=1),
+    SamplingParams(),
+    SamplingParams(temperature=1.2, top_k=20, seed=2),
+    SamplingParams(temperature=0.7, top_p=0.9, seed=3),
+    SamplingParams(),
+]
+
+
+def test_forward_batch_rows_equal_forward_alone(tiny):
+    """Ragged chunks of several sequences in one pass: each chunk's logits and KV are those of its pass alone."""
+    target, _ = tiny
+    runner = make_runner(target)
+    alone, batched = [], []
+    for prompt in PROMPTS[:4]:
+        for caches in (alone, batched):
+            cache = runner.new_cache()
+            runner.forward(torch.tensor(prompt), cache)
+            caches.append(cache)
+    chunks = [torch.tensor(ids) for ids in ([3, 4, 5], [6], [7, 8], [9, 10, 11, 12, 13])]
+    expected = [runner.forward(ids, cache, return_features=True) for ids, cache in zip(chunks, alone)]
+    logits, features = runner.forward_batch(list(zip(chunks, batched)))
+    for (want_logits, want_features), got_logits, got_features, a, b in zip(expected, logits, features, alone, batched):
+        assert torch.equal(got_logits, want_logits)
+        assert torch.equal(got_features, want_features)
+        assert a.seq_len == b.seq_len
+        assert torch.equal(a.buffer[:, :, :, : a.seq_len], b.buffer[:, :, :, : b.seq_len])
+
+
+def _open_sessions(target, engine: VerifyEngine, prefix: str) -> None:
+    """One session per prompt, with its own sampling parameters."""
+    prefill = PrefillEngine(target)
+    for i, (prompt, params) in enumerate(zip(PROMPTS, PARAMS)):
+        result = prefill.prefill(prompt, params)
+        engine.open(f"{prefix}{i}", result.payload, result.first_token, params)
+
+
+def _draft_for(engine: VerifyEngine, request_id: str, k: int, step: int) -> list[int]:
+    """k draft ids: the first one right (the target's argmax) on even steps, then arbitrary ones."""
+    session = engine.sessions.get(request_id)
+    ids = [(session.pending * 7 + step * 13 + j) % (engine.target.vocab_size - 3) + 3 for j in range(k)]
+    if k and step % 2 == 0:
+        cache = session.cache
+        logits = engine.runner.forward(torch.tensor([session.pending]), cache)
+        cache.crop(cache.seq_len - 1)
+        ids[0] = int(logits[-1].argmax())
+    return ids
+
+
+def test_batched_verify_equals_verify_alone(tiny):
+    """Mixed k, greedy and sampled sessions in one pass: the same tokens, verdicts and KV as verifying each alone."""
+    target, _ = tiny
+    alone, batched = VerifyEngine(target), VerifyEngine(target)
+    _open_sessions(target, alone, "s")
+    _open_sessions(target, batched, "s")
+    accepted = 0
+    for step in range(8):
+        calls = []
+        for i in range(len(PROMPTS)):
+            k = (i + step) % 5  # 0 .. 4 drafts, different per session and step
+            calls.append(VerifyCall(f"s{i}", _draft_for(alone, f"s{i}", k, step)))
+        expected = [alone.verify(call.request_id, call.draft_token_ids) for call in calls]
+        got = batched.verify_batch(calls)
+        assert got == expected, f"step {step}"
+        accepted += sum(result.n_matches for result in got)
+        for call in calls:
+            a, b = alone.sessions.get(call.request_id), batched.sessions.get(call.request_id)
+            assert (a.pending, a.cache.seq_len) == (b.pending, b.cache.seq_len)
+            assert torch.equal(a.cache.buffer[:, :, :, : a.cache.seq_len], b.cache.buffer[:, :, :, : b.cache.seq_len])
+    assert accepted > 0, "some drafts should have been accepted (per-session rollback of the rest)"
+
+
+@pytest.mark.parametrize(
+    "bad,error,fragment",
+    [
+        (VerifyCall("nobody", [3]), SessionNotFoundError, "unknown"),
+        (VerifyCall("s1", [3, 100_000]), InvalidRequestError, "draft token ids"),
+        (VerifyCall("s1", list(range(3, 20))), InvalidRequestError, "at most"),
+        (VerifyCall("s1", [3, 4], params=SamplingParams(temperature=-1)), InvalidRequestError, "temperature"),
+        (VerifyCall("s1", [3, 4], draft_probs=torch.ones(1, 7)), InvalidRequestError, "draft_probs"),
+        (VerifyCall("s0", [3]), InvalidRequestError, "two verify calls"),
+    ],
+)
+def test_bad_call_fails_only_its_own_slot(tiny, bad, error, fragment):
+    target, _ = tiny
+    alone, batched = VerifyEngine(target), VerifyEngine(target)
+    _open_sessions(target, alone, "s")
+    _open_sessions(target, batched, "s")
+    good = [VerifyCall("s0", [5, 6]), VerifyCall("s2", []), VerifyCall("s3", [9])]
+    results = batched.verify_batch([good[0], bad, *good[1:]])
+    assert isinstance(results[1], error) and fragment in str(results[1])
+    assert [results[0], *results[2:]] == [alone.verify(c.request_id, c.draft_token_ids) for c in good]
+    # the bad call's session (when it exists) was not advanced
+    if bad.request_id == "s1":
+        assert batched.sessions.get("s1").cache.seq_len == alone.sessions.get("s1").cache.seq_len
