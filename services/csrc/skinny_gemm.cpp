@@ -2,11 +2,13 @@
 // or the rows of several sessions' verify chunks batched together).
 //
 // Decoding is bound by the weight stream from memory, so the kernel reads
-// each weight row once for all m rows of x: a tile of kTileOut weight rows
-// stays in L1 while blocks of up to kBlockRows rows of x pass over it, with
-// kTileOut x rows accumulators held in vector registers (a register-blocked
-// micro-kernel, as in BLIS). BLAS small-M GEMMs on some CPUs (MKL on AMD
-// EPYC, measured) are several times slower.
+// each weight row once for all m rows of x. Up to kStreamRows rows it streams
+// the weights row by row (one sequential stream that the prefetcher keeps up
+// with: memory bandwidth); with more rows the arithmetic dominates, and a tile
+// of kTileOut weight rows stays in L1 while blocks of up to kBlockRows rows of
+// x pass over it, with the accumulators in vector registers (a
+// register-blocked micro-kernel, as in BLIS). BLAS small-M GEMMs on some CPUs
+// (MKL on AMD EPYC, measured) are several times slower.
 //
 // Every y[m, o] is summed in the same order whatever m and the blocking are
 // (vector lanes over i in steps of kLanes, one horizontal sum, then the tail),
@@ -22,6 +24,7 @@ using Vec = __m512;
 constexpr int64_t kLanes = 16;
 constexpr int kTileOut = 4;    // weight rows per tile
 constexpr int kBlockRows = 6;  // x rows per register block: 4 x 6 accumulators + 4 weights + 1 x <= 32 registers
+constexpr int64_t kStreamRows = 4;
 inline Vec vzero() { return _mm512_setzero_ps(); }
 inline Vec vload(const float* p) { return _mm512_loadu_ps(p); }
 inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
@@ -40,6 +43,7 @@ using Vec = __m256;
 constexpr int64_t kLanes = 8;
 constexpr int kTileOut = 3;    // 3 x 3 accumulators + 3 weights + 1 x <= 16 registers
 constexpr int kBlockRows = 3;
+constexpr int64_t kStreamRows = 4;
 inline Vec vzero() { return _mm256_setzero_ps(); }
 inline Vec vload(const float* p) { return _mm256_loadu_ps(p); }
 inline Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
@@ -50,6 +54,26 @@ inline float vsum(Vec v) {
   return _mm_cvtss_f32(s1);
 }
 #endif
+
+// Few rows: one weight row at a time, so the weights are read as one sequential stream.
+template <int M>
+void stream_rows(const float* x, const float* w, float* y, int64_t in, int64_t out, int64_t o_begin, int64_t o_end) {
+  for (int64_t o = o_begin; o < o_end; ++o) {
+    const float* wr = w + o * in;
+    Vec acc[M];
+    for (int m = 0; m < M; ++m) acc[m] = vzero();
+    int64_t i = 0;
+    for (; i + kLanes <= in; i += kLanes) {
+      Vec wv = vload(wr + i);
+      for (int m = 0; m < M; ++m) acc[m] = vfma(wv, vload(x + m * in + i), acc[m]);
+    }
+    for (int m = 0; m < M; ++m) {
+      float s = vsum(acc[m]);
+      for (int64_t j = i; j < in; ++j) s += wr[j] * x[m * in + j];
+      y[m * out + o] = s;
+    }
+  }
+}
 
 // y[m0 .. m0+MB, o0 .. o0+NO] for NO <= kTileOut weight rows and MB <= kBlockRows x rows.
 template <int NO, int MB>
@@ -94,6 +118,18 @@ inline void tile(const float* x, const float* w, float* y, int64_t rows, int64_t
 }
 
 void run(const float* x, const float* w, float* y, int64_t rows, int64_t in, int64_t out) {
+  if (rows <= kStreamRows) {
+    at::parallel_for(0, out, 256, [&](int64_t begin, int64_t end) {
+      switch (rows) {
+        case 1: stream_rows<1>(x, w, y, in, out, begin, end); break;
+        case 2: stream_rows<2>(x, w, y, in, out, begin, end); break;
+        case 3: stream_rows<3>(x, w, y, in, out, begin, end); break;
+        default: stream_rows<4>(x, w, y, in, out, begin, end); break;
+      }
+    });
+    return;
+  }
+  // more rows (sessions batched): tiles of kTileOut weight rows, each load shared by a block of x rows
   const int64_t tiles = (out + kTileOut - 1) / kTileOut;
   at::parallel_for(0, tiles, 64, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
@@ -127,5 +163,7 @@ torch::Tensor skinny_gemm(torch::Tensor x, torch::Tensor w) {
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("skinny_gemm", &skinny_gemm, "x @ w.T for a few rows of x, reading w once");
+  // without the GIL: the replica's event loop keeps taking and answering calls while a pass runs
+  m.def("skinny_gemm", &skinny_gemm, "x @ w.T for a few rows of x, reading w once",
+        py::call_guard<py::gil_scoped_release>());
 }
