@@ -1,11 +1,19 @@
 """Continuous batching of one replica's engine calls (asyncio, no Ray).
 
 Calls queue while the engine runs a pass; when it ends, every queued call
-that fits joins the next pass at once. A lone call starts at once: there is
-no batching window to wait out, so a single stream pays nothing for it
-(vLLM's scheduler and Ray Serve's ``@serve.batch`` with a zero wait are the
-models; ``@serve.batch`` is not used because it batches by count, not by
-rows, and cannot keep two calls of one session out of the same pass).
+that fits joins the next pass. A lone call starts at once: there is no
+batching window to wait out, so a single stream pays nothing for it (vLLM's
+scheduler and Ray Serve's ``@serve.batch`` are the models; ``@serve.batch``
+is not used because it batches by count, not by rows, and cannot keep two
+calls of one session out of the same pass).
+
+One wait remains, and it is what makes batching pay across a network hop:
+the sessions a pass answers come back with their next call a hop later,
+just after the next pass would have started without them. Started at once,
+the passes settle into two alternating half-batches. So after a pass the
+batcher waits for the sessions it answered — until all are back, they close
+(``forget``), or ``gather_fraction`` of the pass's time has gone (at most
+``gather_max_s``) — and then runs them together with everyone queued.
 """
 
 from __future__ import annotations
@@ -24,6 +32,8 @@ class BatchCall(Protocol):
 
 
 C = TypeVar("C", bound=BatchCall)
+GATHER_FRACTION = 0.5  # after a pass, wait for its sessions' next calls up to this share of its time ...
+GATHER_MAX_S = 0.04  # ... and at most this long (a hop in the graph takes a few ms)
 R = TypeVar("R")
 
 
@@ -43,14 +53,19 @@ class ContinuousBatcher(Generic[C, R]):
     """
 
     def __init__(self, run_pass: Callable[[list[C]], Awaitable[list[R | Exception]]], *, max_rows: int,
-                 on_pass: Callable[[PassStats], None] | None = None):
+                 on_pass: Callable[[PassStats], None] | None = None, gather_fraction: float = GATHER_FRACTION,
+                 gather_max_s: float = GATHER_MAX_S):
         if max_rows < 1:
             raise ValueError(f"max_rows must be >= 1, got {max_rows}")
         self._run_pass = run_pass
         self.max_rows = max_rows
         self._on_pass = on_pass
+        self.gather_fraction, self.gather_max_s = gather_fraction, gather_max_s
         self._queue: list[tuple[C, asyncio.Future]] = []
         self._draining = False
+        self._expected: set[str] = set()  # sessions the last pass answered that have not called again
+        self._gather_until = 0.0  # event-loop time until which a pass waits for them
+        self._returned = asyncio.Event()
 
     @property
     def queued(self) -> int:
@@ -59,10 +74,31 @@ class ContinuousBatcher(Generic[C, R]):
     async def submit(self, call: C) -> R:
         future = asyncio.get_running_loop().create_future()
         self._queue.append((call, future))
+        self._back(call.request_id)
         if not self._draining:
             self._draining = True
             asyncio.create_task(self._drain())
         return await future
+
+    def forget(self, request_id: str) -> None:
+        """The session closed: the next pass does not wait for it."""
+        self._back(request_id)
+
+    def _back(self, request_id: str) -> None:
+        self._expected.discard(request_id)
+        if not self._expected:
+            self._returned.set()
+
+    async def _gather(self) -> None:
+        """Before a pass: wait (briefly) for the sessions the last pass answered, so that they share this one."""
+        loop = asyncio.get_running_loop()
+        while self._expected and (left := self._gather_until - loop.time()) > 0:
+            self._returned.clear()
+            try:
+                await asyncio.wait_for(self._returned.wait(), left)
+            except asyncio.TimeoutError:
+                break
+        self._expected.clear()
 
     def _next_batch(self) -> list[tuple[C, asyncio.Future]]:
         batch, rest, rows, sessions = [], [], 0, set()
@@ -81,12 +117,20 @@ class ContinuousBatcher(Generic[C, R]):
 
     async def _drain(self) -> None:
         try:
-            while batch := self._next_batch():
+            loop = asyncio.get_running_loop()
+            while True:
+                await self._gather()
+                if not (batch := self._next_batch()):
+                    return
                 calls = [call for call, _ in batch]
+                start = loop.time()
                 try:
                     results = await self._run_pass(calls)
                 except Exception as exc:  # the pass itself failed: every call in it gets the error
                     results = [exc] * len(batch)
+                queued = {call.request_id for call, _ in self._queue}
+                self._expected = {call.request_id for call in calls} - queued
+                self._gather_until = loop.time() + min(self.gather_max_s, self.gather_fraction * (loop.time() - start))
                 if self._on_pass is not None:
                     self._on_pass(PassStats(len(calls), sum(call.rows for call in calls)))
                 for (_, future), result in zip(batch, results):

@@ -217,5 +217,6 @@ class Verify(_Stage):
         return await self._run(self.engine.verify_batch, calls)
 
     async def close(self, request_id: str) -> None:
+        self.batcher.forget(request_id)
         await self._run(self.engine.close, request_id)
 

@@ -122,3 +122,40 @@ def test_a_cancelled_caller_is_dropped_from_the_queue():
 
     assert run(main()) == ["ok a", "ok kept"]
     assert engine.passes == [["a"], ["kept"]]
+
+
+def test_sessions_answered_by_a_pass_come_back_into_one_pass():
+    """After a pass the batcher waits briefly for the sessions it answered (a hop away), so the passes do not settle
+    into alternating half-batches."""
+    engine = Engine(seconds=0.05)
+
+    async def session(batcher, name, delay):
+        await asyncio.sleep(delay)
+        for _ in range(4):
+            await batcher.submit(Call(name))
+            await asyncio.sleep(0.005)  # the hop back to the caller and its next call
+
+    async def main():
+        batcher = ContinuousBatcher(engine.run_pass, max_rows=32, gather_fraction=2.0, gather_max_s=1.0)
+        await asyncio.gather(session(batcher, "a", 0.0), session(batcher, "b", 0.01), session(batcher, "c", 0.01))
+
+    run(main())
+    assert engine.passes[0] == ["a"]
+    assert sorted(engine.passes[1]) == ["a", "b", "c"]  # "a" came back and joined "b" and "c"
+    assert all(sorted(p) == ["a", "b", "c"] for p in engine.passes[1:-1])
+
+
+def test_a_closed_session_is_not_waited_for():
+    engine = Engine(seconds=0.05)
+
+    async def main():
+        batcher = ContinuousBatcher(engine.run_pass, max_rows=32, gather_fraction=100.0, gather_max_s=30.0)
+        first = asyncio.create_task(batcher.submit(Call("a")))
+        await asyncio.sleep(0.01)
+        second = asyncio.create_task(batcher.submit(Call("b")))
+        await first
+        batcher.forget("a")  # "a" closed: "b" need not wait for it
+        return await asyncio.wait_for(second, timeout=5.0)
+
+    assert run(main()) == "ok b"
+    assert engine.passes == [["a"], ["b"]]
