@@ -66,6 +66,8 @@ class ContinuousBatcher(Generic[C, R]):
         self._expected: set[str] = set()  # sessions the last pass answered that have not called again
         self._gather_until = 0.0  # event-loop time until which a pass waits for them
         self._returned = asyncio.Event()
+        self.passes = 0
+        self.largest_pass = 0  # most calls one pass took
 
     @property
     def queued(self) -> int:
@@ -131,6 +133,8 @@ class ContinuousBatcher(Generic[C, R]):
                 queued = {call.request_id for call, _ in self._queue}
                 self._expected = {call.request_id for call in calls} - queued
                 self._gather_until = loop.time() + min(self.gather_max_s, self.gather_fraction * (loop.time() - start))
+                self.passes += 1
+                self.largest_pass = max(self.largest_pass, len(calls))
                 if self._on_pass is not None:
                     self._on_pass(PassStats(len(calls), sum(call.rows for call in calls)))
                 for (_, future), result in zip(batch, results):

@@ -64,7 +64,7 @@ class SpeculationDefaults(_Strict):
         False, description="pre-draft: the draft stage drafts beyond the block the verifier is checking (services.loop)"
     )
     off_above_concurrency: int = Field(
-        4, ge=0, description="adaptive k drafts nothing while an ingress replica serves more requests than this "
+        2, ge=0, description="adaptive k drafts nothing while an ingress replica serves more requests than this "
         "(the verifier batches their tokens instead); 0 = no limit. A request that pins k keeps it",
     )
 

@@ -216,6 +216,10 @@ class Verify(_Stage):
     async def _verify_pass(self, calls: list[VerifyCall]) -> list:
         return await self._run(self.engine.verify_batch, calls)
 
+    async def stats(self) -> dict:
+        """Also the batched passes: how many ran, and the most sessions' calls one of them took."""
+        return await super().stats() | {"passes": self.batcher.passes, "largest_pass": self.batcher.largest_pass}
+
     async def close(self, request_id: str) -> None:
         self.batcher.forget(request_id)
         await self._run(self.engine.close, request_id)

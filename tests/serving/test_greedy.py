@@ -128,3 +128,33 @@ def test_sampled_tokens_follow_the_target_through_the_graph(client, default_pair
         logits = target.model(input_ids=torch.tensor([ids])).logits[0, -1:]
     p = logits_to_probs(logits.float(), SamplingParams(temperature=1.0))[0]  # [vocab_size]
     assert_follows(torch.bincount(torch.tensor(draws), minlength=p.shape[0]).float(), p)
+
+
+def test_concurrent_streams_are_batched_and_each_equals_its_answer_alone(client, reference):
+    """12 concurrent requests with different policies (off, fixed k, adaptive), greedy and seeded sampled: the
+    verifier batches their steps into shared passes, and every answer is the one the request gets alone."""
+    import concurrent.futures
+
+    from ray import serve
+
+    sampled = dict(temperature=0.8, top_p=0.95, seed=7, speculate=True, drafter="eagle", num_draft_tokens=2)
+    alone = list(client.generate(messages=[("user", PROMPTS[0])], max_new_tokens=MAX_NEW_TOKENS, **sampled).token_ids)
+    mix = [dict(speculate=False), dict(speculate=True, drafter="eagle", num_draft_tokens=1),
+           dict(speculate=True, drafter="eagle", num_draft_tokens=3), dict(speculate=True, drafter="model", num_draft_tokens=2),
+           dict(speculate=True, drafter="eagle", num_draft_tokens=0)]
+    jobs = [(prompt, mix[i % len(mix)]) for i, prompt in enumerate(PROMPTS * 3)][:11] + [(PROMPTS[0], sampled)]
+    verify = serve.get_deployment_handle("Verify", "splitspec")
+    before = verify.stats.remote().result()
+
+    def run(job):
+        prompt, policy = job
+        chunks = list(client.stream(messages=[("user", prompt)], max_new_tokens=MAX_NEW_TOKENS, **policy))
+        return [t for c in chunks for t in c.token_ids]
+
+    with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
+        answers = list(pool.map(run, jobs))
+    for (prompt, policy), tokens in zip(jobs[:-1], answers[:-1]):
+        assert tokens == reference(prompt), (prompt, policy)
+    assert answers[-1] == alone  # the seeded sampled request: same draws batched as alone
+    after = verify.stats.remote().result()
+    assert after["largest_pass"] >= 2, (before, after)  # steps of different sessions shared a target pass
