@@ -19,6 +19,9 @@ STAGE_LABEL = "splitspec.io/accelerator"  # node label key of the example cluste
 DEFAULT_APP_NAME = "splitspec"
 
 
+DEFAULT_BATCH_ROWS = {"prefill": 512, "draft": 1, "verify": 32}  # prompts are long; verify chunks are k + 1 rows
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -41,7 +44,8 @@ class StageConfig(_Strict):
     threads: int = Field(1, ge=1, description="torch intra-op threads per replica")
     max_ongoing_requests: int = Field(16, ge=1, description="concurrent calls a replica accepts")
     max_batch_rows: int = Field(
-        32, ge=1, description="rows (tokens) one batched pass takes from concurrent sessions' calls (verify)"
+        0, ge=0, description="rows (tokens) one batched pass takes from concurrent requests' calls (prefill, verify); "
+        f"0 = the stage's default: {DEFAULT_BATCH_ROWS}",
     )
     placement: Placement = Field(default_factory=Placement, description="hardware pinning of this stage")
     device: str = Field("cpu", description="where the stage's model and KV live: cpu or cuda (needs placement.num_gpus > 0)")
@@ -135,6 +139,10 @@ class AppConfig(_Strict):
 
     def stage(self, name: str) -> StageConfig:
         return getattr(self.stages, name)
+
+    def batch_rows(self, name: str) -> int:
+        """Rows one batched pass of the stage takes."""
+        return self.stage(name).max_batch_rows or DEFAULT_BATCH_ROWS[name]
 
     def placement(self, name: str) -> Placement:
         """Placement of a stage or of the ingress."""

@@ -53,7 +53,7 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "splitspec_accepted_length": ("histogram", "Tokens emitted per verify step (accepted drafts + recovered or bonus).", ()),
     "splitspec_open_sessions": ("gauge", "Sessions open on this draft / verify replica.", ("stage",)),
     "splitspec_kv_bytes_held": ("gauge", "KV bytes held by this draft / verify replica.", ("stage",)),
-    "splitspec_batch_calls": ("histogram", "Sessions' calls batched into one engine pass, by stage.", ("stage",)),
+    "splitspec_batch_calls": ("histogram", "Calls of concurrent requests batched into one engine pass, by stage (prefill, verify).", ("stage",)),
     "splitspec_batch_rows": ("histogram", "Rows (tokens) of one batched engine pass, by stage.", ("stage",)),
 }
 BUCKETS = {"splitspec_accepted_length": ACCEPTED_LENGTH, "splitspec_batch_calls": BATCH_SIZE, "splitspec_batch_rows": BATCH_SIZE}

@@ -3,13 +3,15 @@
 Each replica owns one engine and runs every engine call on one worker thread
 (the engines are not thread-safe, and the event loop stays free to take the
 next call); torch uses ``threads`` cores. Verify calls of concurrent sessions
-are batched into one target pass (``deployments.batching``). Placement (labels / resources),
+are batched into one target pass, and so are the prompts of concurrent
+prefills (``deployments.batching``). Placement (labels / resources),
 replicas and the router are set by ``deployments.app`` from the config.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
 from collections.abc import Callable
@@ -26,7 +28,7 @@ from deployments.metrics import SessionMetrics
 from services import eagle_draft
 from services.draft import DraftEngine, DraftProposal
 from services.loading import LoadedModel, check_device, config_of, load_causal_lm, set_num_threads
-from services.prefill import PrefillEngine
+from services.prefill import PrefillCall, PrefillEngine
 from services.runner import warm_up
 from services.sampling import SamplingParams
 from services.verify import VerifyCall, VerifyEngine, VerifyResult
@@ -129,10 +131,19 @@ class Prefill(_Stage):
         super().__init__(config)
         self.engine = PrefillEngine(load_target(self.config, self.stage))
         warm_up(self.engine.runner)
+        self.calls = itertools.count()
+        self.pass_metrics = SessionMetrics(self.stage)
+        # prompts that arrive while a pass runs are prefilled together in the next one (a prefill is never
+        # followed by another call of its request: nothing to wait for after a pass)
+        self.batcher = ContinuousBatcher(self._prefill_pass, max_rows=self.config.batch_rows(self.stage), gather_max_s=0.0,
+                                         on_pass=lambda p: self.pass_metrics.batched_pass(p.calls, p.rows))
+
+    async def _prefill_pass(self, calls: list[PrefillCall]) -> list:
+        return await self._run(self.engine.prefill_batch, calls)
 
     async def prefill(self, prompt_ids: list[int], params: SamplingParams, features: bool = False) -> KVHandoff:
         """``features``: also put the prompt's target features (for a feature drafter) in the object store."""
-        result = await self._run(lambda: self.engine.prefill(prompt_ids, params, features=features))
+        result = await self.batcher.submit(PrefillCall(list(prompt_ids), params, features, request_id=str(next(self.calls))))
         put_at = time.time()
         ref = ray.put(result.payload)  # zero-copy for a verifier on this node; one transfer to another node
         feature_refs = [ray.put(result.features)] if result.features is not None else []
@@ -196,7 +207,7 @@ class Verify(_Stage):
         )
         warm_up(self.engine.runner)
         self.batcher = ContinuousBatcher(
-            self._verify_pass, max_rows=self.config.stage(self.stage).max_batch_rows,
+            self._verify_pass, max_rows=self.config.batch_rows(self.stage),
             on_pass=lambda p: self.session_metrics.batched_pass(p.calls, p.rows),
         )
 

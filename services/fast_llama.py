@@ -219,16 +219,24 @@ class FastLlamaRunner:
 
     @torch.inference_mode()
     def forward_batch(
-        self, chunks: list[tuple[torch.Tensor, DenseKVCache]]  # per sequence: its new tokens [n_i] and its own KV
-    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:  # per sequence: logits [n_i, vocab_size], features [n_i, hidden]
+        self,
+        chunks: list[tuple[torch.Tensor, DenseKVCache]],  # per sequence: its new tokens [n_i] and its own KV
+        *,
+        last_only: bool = False,
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:  # per sequence: logits [n_i or 1, vocab_size], features [n_i, hidden]
         """One pass over several sequences' chunks (ragged rows): every weight is read once for all of them.
 
         Each sequence attends only to its own KV; a row's logits are what ``forward`` gives for its chunk alone.
+        ``last_only``: logits of each chunk's last row only (prefill).
         """
         sizes = [ids.shape[0] for ids, _ in chunks]
         features = self._rms_norm(self._layers(chunks), self.norm)  # [N, hidden], N = sum(sizes)
+        per_chunk = list(features.split(sizes))
+        if last_only:
+            logits = self._head(torch.cat([f[-1:] for f in per_chunk]))  # [chunks, vocab_size]
+            return list(logits.split(1)), per_chunk
         logits = self._head(features)  # [N, vocab_size]
-        return list(logits.split(sizes)), list(features.split(sizes))
+        return list(logits.split(sizes)), per_chunk
 
     def _head(self, features: torch.Tensor) -> torch.Tensor:  # [m, hidden] -> [m, vocab_size] float32
         logits = self.head(features).float()  # [m, N kept or vocab_size]

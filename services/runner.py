@@ -67,10 +67,13 @@ class ModelRunner:
 
 
     def forward_batch(
-        self, chunks: list[tuple[torch.Tensor, KVCache]]  # per sequence: its new tokens [n_i] and its own KV
-    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:  # per sequence: logits [n_i, vocab_size], features [n_i, hidden]
+        self,
+        chunks: list[tuple[torch.Tensor, KVCache]],  # per sequence: its new tokens [n_i] and its own KV
+        *,
+        last_only: bool = False,
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:  # per sequence: logits [n_i or 1, vocab_size], features [n_i, hidden]
         """Each chunk in turn (transformers' cache holds one sequence: no shared pass here, same results)."""
-        outs = [self.forward(ids, cache, return_features=True) for ids, cache in chunks]
+        outs = [self.forward(ids, cache, last_only=last_only, return_features=True) for ids, cache in chunks]
         return [logits for logits, _ in outs], [features for _, features in outs]
 
 

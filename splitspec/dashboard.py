@@ -81,11 +81,11 @@ PANELS = [
         ("p50", _q(0.5, "ray_splitspec_accepted_length")),
         ("p95", _q(0.95, "ray_splitspec_accepted_length")),
     )),
-    Panel("Batched pass size (verify): sessions and rows per pass", "short", (
+    Panel("Batched pass size (prefill / verify): calls and rows per pass", "short", (
         ("sessions p50 {{stage}}", _q(0.5, "ray_splitspec_batch_calls", "stage")),
         ("rows p50 {{stage}}", _q(0.5, "ray_splitspec_batch_rows", "stage")),
         ("rows p95 {{stage}}", _q(0.95, "ray_splitspec_batch_rows", "stage")),
-    ), "How many concurrent sessions' calls share one engine pass (continuous batching)."),
+    ), "How many concurrent requests' calls share one engine pass (continuous batching)."),
     Panel("KV handoff bytes/s", "Bps", (
         ("prefill -> verify", f"sum(rate(ray_splitspec_kv_handoff_bytes_total{{{APP}}}[{RATE}]))"),
     )),

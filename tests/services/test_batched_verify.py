@@ -107,3 +107,25 @@ def test_bad_call_fails_only_its_own_slot(tiny, bad, error, fragment):
     # the bad call's session (when it exists) was not advanced
     if bad.request_id == "s1":
         assert batched.sessions.get("s1").cache.seq_len == alone.sessions.get("s1").cache.seq_len
+
+
+def test_batched_prefill_equals_prefill_alone(tiny):
+    """Prompts of different lengths and sampling parameters in one pass: each its first token, KV and features as
+    alone; an empty prompt fails only its own slot."""
+    from services.prefill import PrefillCall
+
+    target, _ = tiny
+    engine = PrefillEngine(target)
+    calls = [PrefillCall(prompt, params, features=i % 2 == 0) for i, (prompt, params) in enumerate(zip(PROMPTS, PARAMS))]
+    calls.insert(2, PrefillCall([], SamplingParams()))
+    results = engine.prefill_batch(calls)
+    assert isinstance(results[2], InvalidRequestError) and "empty" in str(results[2])
+    for call, got in zip(calls[:2] + calls[3:], results[:2] + results[3:]):
+        want = engine.prefill(call.prompt_ids, call.params, features=call.features)
+        assert got.first_token == want.first_token
+        assert got.payload.seq_len == want.payload.seq_len == len(call.prompt_ids)
+        for a, b in zip(got.payload.keys + got.payload.values, want.payload.keys + want.payload.values):
+            assert (a == b).all()
+        assert (got.features is None) == (want.features is None) == (not call.features)
+        if call.features:
+            assert torch.equal(got.features, want.features)
