@@ -80,6 +80,10 @@ class Limits(_Strict):
     max_kv_bytes: int = Field(4 * 2**30, ge=1, description="KV bytes per draft / verify replica")
     max_ongoing_requests: int = Field(16, ge=1, description="requests the ingress runs at once (per replica)")
     max_queued_requests: int = Field(32, ge=0, description="requests waiting beyond that; more get RESOURCE_EXHAUSTED")
+    prefill_chunk_tokens: int = Field(
+        256, ge=1, description="a longer prompt is prefilled in chunks of this many tokens, each in a pass shared with "
+        "other prompts, so that it does not stall their first token",
+    )
     stage_timeout_s: float = Field(120.0, gt=0, description="one stage call; slower means UNAVAILABLE")
     request_timeout_s: float = Field(600.0, gt=0, description="a whole request; longer means DEADLINE_EXCEEDED")
 

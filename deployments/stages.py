@@ -11,6 +11,7 @@ replicas and the router are set by ``deployments.app`` from the config.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import time
@@ -28,7 +29,7 @@ from deployments.metrics import SessionMetrics
 from services import eagle_draft
 from services.draft import DraftEngine, DraftProposal
 from services.loading import LoadedModel, check_device, config_of, load_causal_lm, set_num_threads
-from services.prefill import PrefillCall, PrefillEngine
+from services.prefill import PrefillCall, PrefillEngine, PrefillProgress
 from services.runner import warm_up
 from services.sampling import SamplingParams
 from services.verify import VerifyCall, VerifyEngine, VerifyResult
@@ -143,7 +144,16 @@ class Prefill(_Stage):
 
     async def prefill(self, prompt_ids: list[int], params: SamplingParams, features: bool = False) -> KVHandoff:
         """``features``: also put the prompt's target features (for a feature drafter) in the object store."""
-        result = await self.batcher.submit(PrefillCall(list(prompt_ids), params, features, request_id=str(next(self.calls))))
+        call = PrefillCall(list(prompt_ids), params, features, request_id=str(next(self.calls)),
+                           chunk=self.config.limits.prefill_chunk_tokens)
+        try:
+            # a long prompt goes chunk by chunk, each in a pass shared with other prompts: it does not stall
+            # their first tokens
+            while isinstance(result := await self.batcher.submit(call), PrefillProgress):
+                call = dataclasses.replace(call, start=result.done)
+        except BaseException:
+            self._executor.submit(self.engine.drop, call.request_id)  # on the engine thread, after a pass in flight
+            raise
         put_at = time.time()
         ref = ray.put(result.payload)  # zero-copy for a verifier on this node; one transfer to another node
         feature_refs = [ray.put(result.features)] if result.features is not None else []

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from services.errors import SessionNotFoundError
 from services.kv import KVPayload
 from services.loading import LoadedModel
 from services.runner import make_runner
@@ -19,16 +20,26 @@ FEATURE_DTYPE = torch.bfloat16  # features handed to a drafter (what the EAGLE h
 
 @dataclass(frozen=True)
 class PrefillCall:
-    """One request's prefill, as ``PrefillEngine.prefill_batch`` takes it."""
+    """One request's prefill, or one chunk of it, as ``PrefillEngine.prefill_batch`` takes it."""
 
     prompt_ids: list[int]
     params: SamplingParams
     features: bool = False  # also the target's features of every prompt position (feature drafters, EAGLE)
-    request_id: str = ""  # for the batcher: one call per request in a pass
+    request_id: str = ""  # one call per request in a pass; names a chunked prefill's partial KV between chunks
+    start: int = 0  # prompt positions already prefilled by earlier chunks
+    chunk: int = 0  # at most this many positions in this call (0 = the rest of the prompt)
 
     @property
     def rows(self) -> int:
-        return len(self.prompt_ids)
+        left = len(self.prompt_ids) - self.start
+        return min(left, self.chunk) if self.chunk else left
+
+
+@dataclass(frozen=True)
+class PrefillProgress:
+    """A chunk of a long prompt is done; the next call continues at ``done``."""
+
+    done: int
 
 
 @dataclass
@@ -39,11 +50,12 @@ class PrefillResult:
 
 
 class PrefillEngine:
-    """Stateless prefill of the target model."""
+    """Prefill of the target model: stateless, but for the KV of a long prompt between its chunks."""
 
     def __init__(self, target: LoadedModel):
         self.target = target
         self.runner = make_runner(target)
+        self._partial: dict[str, tuple[object, list[torch.Tensor]]] = {}  # request id -> (KV, features) between chunks
 
     def prefill(self, prompt_ids: Sequence[int], params: SamplingParams, *, features: bool = False) -> PrefillResult:
         """Prefill the prompt; ``features`` also returns the target's features of every prompt position."""
@@ -52,30 +64,51 @@ class PrefillEngine:
             raise result
         return result
 
-    def prefill_batch(self, calls: list[PrefillCall]) -> list[PrefillResult | Exception]:
-        """Several prompts in one target pass (ragged rows, each its own KV); a prompt with bad input gets its error
-        in its slot, the others go on. Each first token is drawn with its own parameters and seed."""
-        results: list[PrefillResult | Exception | None] = [None] * len(calls)
-        checked = []  # (slot, call, ids)
+    def prefill_batch(self, calls: list[PrefillCall]) -> list[PrefillResult | PrefillProgress | Exception]:
+        """Several prompts (or chunks of long ones) in one target pass: ragged rows, each prompt its own KV.
+
+        A prompt with bad input gets its error in its slot; the others go on. Each first token is drawn with its
+        own parameters and seed. A chunk that does not end its prompt keeps the prompt's KV here (under its
+        ``request_id``) and returns ``PrefillProgress``; the call with the last chunk returns the result.
+        """
+        results: list[PrefillResult | PrefillProgress | Exception | None] = [None] * len(calls)
+        checked = []  # (slot, call, ids [rows], cache, features so far)
         for slot, call in enumerate(calls):
             try:
-                call.params.validate()
-                ids = validate_prompt(call.prompt_ids, max_context=self.target.max_context, vocab_size=self.target.vocab_size)
-                checked.append((slot, call, ids))
+                if call.start == 0:
+                    call.params.validate()
+                    validate_prompt(call.prompt_ids, max_context=self.target.max_context, vocab_size=self.target.vocab_size)
+                    cache, feats = self.runner.new_cache(), []
+                else:
+                    cache, feats = self._partial.pop(call.request_id)
+                ids = call.prompt_ids[call.start : call.start + call.rows]
+                checked.append((slot, call, ids, cache, feats))
+            except KeyError:
+                results[slot] = SessionNotFoundError(f"prefill {call.request_id!r} has no earlier chunks here")
             except Exception as exc:  # typed errors (services.errors) for the caller of that slot
                 results[slot] = exc
         if not checked:
             return results
-        caches = [self.runner.new_cache() for _ in checked]
         all_logits, all_features = self.runner.forward_batch(
-            [(torch.tensor(ids), cache) for (_, _, ids), cache in zip(checked, caches)], last_only=True
-        )  # per prompt: [1, vocab_size], [n, hidden]
-        for (slot, call, _), cache, logits, feats in zip(checked, caches, all_logits, all_features):
+            [(torch.tensor(ids), cache) for _, _, ids, cache, _ in checked], last_only=True
+        )  # per prompt: [1, vocab_size], [rows, hidden]
+        for (slot, call, ids, cache, feats), logits, chunk_features in zip(checked, all_logits, all_features):
+            if call.features:
+                feats.append(chunk_features.to(FEATURE_DTYPE))
+            done = call.start + len(ids)
+            if done < len(call.prompt_ids):
+                self._partial[call.request_id] = (cache, feats)
+                results[slot] = PrefillProgress(done)
+                continue
             probs = logits_to_probs(logits, call.params)  # [1, vocab_size]
             first_token = int(sample(probs, make_generator(call.params.seed, PREFILL_STREAM))[0])
             results[slot] = PrefillResult(
                 first_token=first_token,
                 payload=cache.export(self.target.fingerprint),
-                features=feats.to(FEATURE_DTYPE) if call.features else None,
+                features=torch.cat(feats) if call.features else None,  # [n, hidden]
             )
         return results
+
+    def drop(self, request_id: str) -> None:
+        """Forget a chunked prefill that will not continue (its request failed or went away)."""
+        self._partial.pop(request_id, None)

@@ -129,3 +129,33 @@ def test_batched_prefill_equals_prefill_alone(tiny):
         assert (got.features is None) == (want.features is None) == (not call.features)
         if call.features:
             assert torch.equal(got.features, want.features)
+
+
+def test_a_long_prompt_prefilled_in_chunks_equals_it_in_one_pass(tiny):
+    """Chunk by chunk, in passes shared with a short prompt: the same first token, KV (to rounding) and features."""
+    from services.prefill import PrefillCall, PrefillProgress
+
+    target, _ = tiny
+    engine = PrefillEngine(target)
+    prompt = [1] + [(7 * i) % 90 + 3 for i in range(70)]
+    params = SamplingParams(temperature=0.9, seed=5)
+    whole = engine.prefill(prompt, params, features=True)
+    call = PrefillCall(prompt, params, features=True, request_id="long", chunk=16)
+    passes = 0
+    while True:
+        short = PrefillCall(PROMPTS[passes % len(PROMPTS)], SamplingParams(), request_id=f"short{passes}")
+        result, other = engine.prefill_batch([call, short])
+        passes += 1
+        assert other.first_token == engine.prefill(short.prompt_ids, short.params).first_token
+        if not isinstance(result, PrefillProgress):
+            break
+        call = PrefillCall(prompt, params, features=True, request_id="long", start=result.done, chunk=16)
+    assert passes == 5  # 71 positions in chunks of 16
+    assert result.first_token == whole.first_token
+    for a, b in zip(result.payload.keys + result.payload.values, whole.payload.keys + whole.payload.values):
+        torch.testing.assert_close(torch.from_numpy(a), torch.from_numpy(b), rtol=1e-3, atol=1e-4)
+    torch.testing.assert_close(result.features.float(), whole.features.float(), rtol=2e-2, atol=2e-2)
+    assert not engine._partial  # nothing kept once the prompt is done
+    # a continuation without its earlier chunks is a typed error, not a crash
+    (missing,) = engine.prefill_batch([PrefillCall(prompt, params, request_id="nobody", start=16, chunk=16)])
+    assert isinstance(missing, SessionNotFoundError)
