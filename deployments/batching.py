@@ -63,6 +63,7 @@ class ContinuousBatcher(Generic[C, R]):
         self.gather_fraction, self.gather_max_s = gather_fraction, gather_max_s
         self._queue: list[tuple[C, asyncio.Future]] = []
         self._draining = False
+        self._drainer: asyncio.Task | None = None
         self._expected: set[str] = set()  # sessions the last pass answered that have not called again
         self._gather_until = 0.0  # event-loop time until which a pass waits for them
         self._returned = asyncio.Event()
@@ -79,7 +80,7 @@ class ContinuousBatcher(Generic[C, R]):
         self._back(call.request_id)
         if not self._draining:
             self._draining = True
-            asyncio.create_task(self._drain())
+            self._drainer = asyncio.create_task(self._drain())  # keep a reference: the loop holds tasks weakly
         return await future
 
     def forget(self, request_id: str) -> None:
