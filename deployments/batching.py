@@ -70,10 +70,6 @@ class ContinuousBatcher(Generic[C, R]):
         self.passes = 0
         self.largest_pass = 0  # most calls one pass took
 
-    @property
-    def queued(self) -> int:
-        return len(self._queue)
-
     async def submit(self, call: C) -> R:
         future = asyncio.get_running_loop().create_future()
         self._queue.append((call, future))

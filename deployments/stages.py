@@ -97,8 +97,8 @@ class _Stage:
         set_num_threads(self.config.stage(self.stage).threads)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"splitspec-{self.stage}")
         self.opened = 0  # sessions opened on this replica
+        self.session_metrics = SessionMetrics(self.stage)  # batched passes (prefill, verify); sessions (draft, verify)
         if self.stage != "prefill":  # draft and verify hold sessions
-            self.session_metrics = SessionMetrics(self.stage)
             self._reporter = asyncio.get_event_loop().create_task(self._report_sessions())
 
     def _session_counts(self) -> tuple[int, int]:
@@ -133,11 +133,10 @@ class Prefill(_Stage):
         self.engine = PrefillEngine(load_target(self.config, self.stage))
         warm_up(self.engine.runner)
         self.calls = itertools.count()
-        self.pass_metrics = SessionMetrics(self.stage)
         # prompts that arrive while a pass runs are prefilled together in the next one (a prefill is never
         # followed by another call of its request: nothing to wait for after a pass)
         self.batcher = ContinuousBatcher(self._prefill_pass, max_rows=self.config.batch_rows(self.stage), gather_max_s=0.0,
-                                         on_pass=lambda p: self.pass_metrics.batched_pass(p.calls, p.rows))
+                                         on_pass=lambda p: self.session_metrics.batched_pass(p.calls, p.rows))
 
     async def _prefill_pass(self, calls: list[PrefillCall]) -> list:
         return await self._run(self.engine.prefill_batch, calls)

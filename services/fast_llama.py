@@ -57,9 +57,12 @@ class Linear:
     def _skinny(self, x):
         return kernels.skinny_gemm()(x, self.weight)
 
+    def _skinny_fits(self, n: int) -> bool:
+        return n <= kernels.SKINNY_MAX_ROWS and self.weight.dtype == torch.float32 and kernels.skinny_gemm() is not None
+
     def variants(self, n: int) -> dict:
         found = {"row_major": self._row_major, "col_major": self._col_major}
-        if n <= kernels.SKINNY_MAX_ROWS and self.weight.dtype == torch.float32 and kernels.skinny_gemm() is not None:
+        if self._skinny_fits(n):
             found["skinny"] = self._skinny
         return found
 
@@ -67,7 +70,7 @@ class Linear:
         n = x.shape[0]
         if Linear.forced_variant is not None:
             return getattr(self, "_" + Linear.forced_variant)(x)
-        if n <= kernels.SKINNY_MAX_ROWS and self.weight.dtype == torch.float32 and kernels.skinny_gemm() is not None:
+        if self._skinny_fits(n):
             # batch-invariant: a row's product is the same bits whatever rows share the call (batched verify)
             return self._skinny(x)
         if n > AUTOTUNE_MAX_ROWS:
