@@ -65,8 +65,12 @@ def cmd_bench_drafter(args) -> int:
     return _write_report(args, report)
 
 
-def _write_report(args, report: dict) -> int:
-    """Write the benchmark report as JSON if asked; fail the run if any output differed from the target alone."""
+def _write_report(args, report: dict, plot=None) -> int:
+    """Write the benchmark report as JSON (and its ``plot`` as a PNG) if asked; fail the run if any output differed
+    from the target alone."""
+    if plot is not None and args.plot:
+        plot(report, args.plot)
+        print(f"wrote {args.plot}")
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
         print(f"wrote {args.json}")
@@ -253,10 +257,7 @@ def cmd_bench_grpc(args) -> int:
         print(f"  {name:<26} {r['tok_s']:6.2f} tok/s = {r['ratio_vs_off']:.2f}x off (ideal {r['ideal_tok_s']:.2f}, "
               f"{r['fraction_of_ideal']:.0%} of it); median ttft {r['median_ttft_ms']:.0f} ms{acc}{hits}")
     print(f"greedy identical across policies: {report['greedy_identical']}")
-    if args.plot:
-        bench_grpc.plot(report, args.plot)
-        print(f"wrote {args.plot}")
-    return _write_report(args, report)
+    return _write_report(args, report, bench_grpc.plot)
 
 
 def cmd_bench_load(args) -> int:
@@ -285,10 +286,7 @@ def cmd_bench_load(args) -> int:
                   f"{r['itl_ms']['p50']}/{r['itl_ms']['p90']}/{r['itl_ms']['p99']} ms "
                   f"({(r['itl_ms']['p99'] or 0) / (single['itl_ms']['p50'] or 1):.2f}x single p50); errors {r['errors'] or 0}")
     print(f"greedy identical at every concurrency and policy: {report['greedy_identical']}")
-    if args.plot:
-        bench_load.plot(report, args.plot)
-        print(f"wrote {args.plot}")
-    return _write_report(args, report)
+    return _write_report(args, report, bench_load.plot)
 
 
 def cmd_dashboard_snapshot(args) -> int:
@@ -304,6 +302,19 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft", help="draft model folder (must share the target's tokenizer)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+
+
+def _service_args(p: argparse.ArgumentParser, *, prompts: int) -> None:
+    """What a benchmark through gRPC needs: the service (``_service``), its prompts, and where the report goes."""
+    p.add_argument("--address", help="a running service (default: start a local one)")
+    p.add_argument("--nodes", type=int, default=1, choices=[1, 3])
+    p.add_argument("--config", help="app config YAML of the local service (default: the built-in defaults)")
+    p.add_argument("--grpc-port", type=int, default=9100)
+    p.add_argument("--prompts", type=int, default=prompts)
+    p.add_argument("--prompt-set", choices=["held_out", "everyday"], default="held_out",
+                   help="held-out subjects of the drafter's training prompts, or everyday assistant requests")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--json", help="also write the report as JSON here")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -338,26 +349,12 @@ def build_parser() -> argparse.ArgumentParser:
     drafter.add_argument("--json", help="also write the report as JSON here")
     drafter.set_defaults(fn=cmd_bench_drafter)
     grpc_bench = bench.add_parser("grpc", help="tokens/s through the gRPC service, speculation on vs off")
-    grpc_bench.add_argument("--address", help="a running service (default: start a local one)")
-    grpc_bench.add_argument("--nodes", type=int, default=1, choices=[1, 3])
-    grpc_bench.add_argument("--config", help="app config YAML of the local service (default: the built-in defaults)")
-    grpc_bench.add_argument("--grpc-port", type=int, default=9100)
-    grpc_bench.add_argument("--prompts", type=int, default=8)
-    grpc_bench.add_argument("--prompt-set", choices=["held_out", "everyday"], default="held_out",
-                            help="held-out subjects of the drafter's training prompts, or everyday assistant requests")
-    grpc_bench.add_argument("--max-new-tokens", type=int, default=64)
-    grpc_bench.add_argument("--json", help="also write the report as JSON here")
+    _service_args(grpc_bench, prompts=8)
     grpc_bench.add_argument("--plot", help="also write a PNG bar chart of the policies here")
     grpc_bench.add_argument("--policies", help="comma-separated policy names to run (default: all; 'off' always runs)")
     grpc_bench.set_defaults(fn=cmd_bench_grpc)
     load = bench.add_parser("load", help="throughput and latency percentiles under concurrent streams (closed and open loop)")
-    load.add_argument("--address", help="a running service (default: start a local one)")
-    load.add_argument("--nodes", type=int, default=1, choices=[1, 3])
-    load.add_argument("--config", help="app config YAML of the local service (default: the built-in defaults)")
-    load.add_argument("--grpc-port", type=int, default=9100)
-    load.add_argument("--prompts", type=int, default=16)
-    load.add_argument("--prompt-set", choices=["held_out", "everyday"], default="held_out")
-    load.add_argument("--max-new-tokens", type=int, default=64)
+    _service_args(load, prompts=16)
     load.add_argument("--concurrency", default="1,2,4,8,16,32", help="closed-loop levels, comma separated")
     load.add_argument("--requests-per-level", type=int, default=0, help="default: max(prompts, 2 x concurrency)")
     load.add_argument("--rate", type=float, default=0.0, help="also an open loop at this Poisson rate (requests/s)")
@@ -367,7 +364,6 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_argument("--slo-ttft-ms", type=float, default=2000.0, help="goodput: time to first token at most this")
     load.add_argument("--slo-tpot-ms", type=float, default=200.0, help="goodput: time per output token at most this")
     load.add_argument("--request-timeout", type=float, default=600.0, help="client deadline per request (s)")
-    load.add_argument("--json", help="also write the report as JSON here")
     load.add_argument("--plot", help="also write PNG plots (throughput, latency vs concurrency) here")
     load.set_defaults(fn=cmd_bench_load)
 

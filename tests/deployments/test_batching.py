@@ -33,6 +33,19 @@ def run(coro):
     return asyncio.run(coro)
 
 
+def during_a_pass(engine: Engine, calls: list[Call], max_rows: int = 32) -> list:
+    """Submit "a", then ``calls`` while its pass runs; every result (or exception) in order, "a"'s first."""
+
+    async def main():
+        batcher = ContinuousBatcher(engine.run_pass, max_rows=max_rows)
+        first = asyncio.create_task(batcher.submit(Call("a")))
+        await asyncio.sleep(0.01)  # "a" is running now
+        rest = [asyncio.create_task(batcher.submit(call)) for call in calls]
+        return await asyncio.gather(first, *rest, return_exceptions=True)
+
+    return run(main())
+
+
 def test_a_lone_call_starts_at_once():
     engine = Engine(seconds=0.0)
 
@@ -50,46 +63,21 @@ def test_a_lone_call_starts_at_once():
 
 def test_calls_arriving_during_a_pass_join_the_next_one():
     engine = Engine()
-
-    async def main():
-        batcher = ContinuousBatcher(engine.run_pass, max_rows=32)
-        first = asyncio.create_task(batcher.submit(Call("a")))
-        await asyncio.sleep(0.01)  # "a" is running now
-        rest = [asyncio.create_task(batcher.submit(Call(name))) for name in "bcd"]
-        return await asyncio.gather(first, *rest)
-
-    assert run(main()) == ["ok a", "ok b", "ok c", "ok d"]
+    assert during_a_pass(engine, [Call(name) for name in "bcd"]) == ["ok a", "ok b", "ok c", "ok d"]
     assert engine.passes == [["a"], ["b", "c", "d"]]
 
 
 def test_a_pass_takes_at_most_max_rows_and_one_call_per_session():
     engine = Engine()
-
-    async def main():
-        batcher = ContinuousBatcher(engine.run_pass, max_rows=5)
-        first = asyncio.create_task(batcher.submit(Call("a")))
-        await asyncio.sleep(0.01)
-        calls = [Call("b"), Call("b"), Call("c"), Call("d"), Call("big", rows=9)]
-        rest = [asyncio.create_task(batcher.submit(call)) for call in calls]
-        return await asyncio.gather(first, *rest)
-
-    run(main())
+    results = during_a_pass(engine, [Call("b"), Call("b"), Call("c"), Call("d"), Call("big", rows=9)], max_rows=5)
+    assert results == ["ok a", "ok b", "ok b", "ok c", "ok d", "ok big"]
     # 2 + 2 rows fit in 5; "b" again waits for a pass of its own session's next turn; a call larger than
     # max_rows runs (alone) rather than never
     assert engine.passes == [["a"], ["b", "c"], ["b", "d"], ["big"]]
 
 
 def test_errors_reach_only_their_callers():
-    engine = Engine(fail={"b"})
-
-    async def main():
-        batcher = ContinuousBatcher(engine.run_pass, max_rows=32)
-        first = asyncio.create_task(batcher.submit(Call("a")))
-        await asyncio.sleep(0.01)
-        rest = [asyncio.create_task(batcher.submit(Call(name))) for name in "bc"]
-        return await asyncio.gather(first, *rest, return_exceptions=True)
-
-    a, b, c = run(main())
+    a, b, c = during_a_pass(Engine(fail={"b"}), [Call("b"), Call("c")])
     assert a == "ok a" and c == "ok c"
     assert isinstance(b, ValueError) and "bad b" in str(b)
 
