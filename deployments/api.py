@@ -40,6 +40,12 @@ class Plan:
     overlap: bool = False  # pre-drafting (services.loop)
     stats: SpeculationStats = field(default_factory=SpeculationStats)
     fallback: bool = False  # speculation was turned off mid-request after a draft-stage failure
+    declined: bool = False  # adaptive, but served without a drafter (services.policy.RequestGate)
+
+    @property
+    def drafting(self) -> bool:
+        """The request opens a draft session."""
+        return self.speculate and not self.declined
 
 
 def parse(request, config: AppConfig, tokenizer, *, max_context: int, vocab_size: int, drafters=DRAFTERS,
@@ -103,6 +109,7 @@ def speculation_stats(plan: Plan) -> pb.SpeculationStats:
         pre_drafts=s.pre_drafts,
         pre_draft_hits=s.pre_draft_hits,
         overlap=plan.speculate and plan.overlap,
+        declined=plan.declined,
     )
 
 

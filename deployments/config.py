@@ -10,7 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from services.draft import DRAFTERS
 from services.loading import DTYPES
-from services.policy import DEFAULT_MAX_DRAFT_TOKENS
+from services.policy import DEFAULT_EXPLORE_EVERY, DEFAULT_MAX_DRAFT_TOKENS
 from services.validation import MAX_DRAFT_TOKENS, MIN_DRAFT_TOKENS
 
 STAGES = ("prefill", "draft", "verify")
@@ -19,7 +19,7 @@ STAGE_LABEL = "splitspec.io/accelerator"  # node label key of the example cluste
 DEFAULT_APP_NAME = "splitspec"
 
 
-DEFAULT_BATCH_ROWS = {"prefill": 512, "draft": 1, "verify": 32}  # prompts are long; verify chunks are k + 1 rows
+DEFAULT_BATCH_ROWS = {"prefill": 512, "draft": 32, "verify": 32}  # prompts are long; draft calls are k rows, verify k + 1
 
 
 class _Strict(BaseModel):
@@ -44,7 +44,7 @@ class StageConfig(_Strict):
     threads: int = Field(1, ge=1, description="torch intra-op threads per replica")
     max_ongoing_requests: int = Field(16, ge=1, description="concurrent calls a replica accepts")
     max_batch_rows: int = Field(
-        0, ge=0, description="rows (tokens) one batched pass takes from concurrent requests' calls (prefill, verify); "
+        0, ge=0, description="rows (tokens) one batched pass takes from concurrent requests' calls; "
         f"0 = the stage's default: {DEFAULT_BATCH_ROWS}",
     )
     placement: Placement = Field(default_factory=Placement, description="hardware pinning of this stage")
@@ -66,6 +66,10 @@ class SpeculationDefaults(_Strict):
     )
     overlap: bool = Field(
         False, description="pre-draft: the draft stage drafts beyond the block the verifier is checking (services.loop)"
+    )
+    explore_every: int = Field(
+        DEFAULT_EXPLORE_EVERY, ge=1, description="adaptive requests start without a drafter where speculation has not "
+        "paid on earlier ones; every this many of them speculate anyway, to keep the estimates fresh (1 = always speculate)",
     )
     off_above_concurrency: int = Field(
         2, ge=0, description="adaptive k drafts nothing while an ingress replica serves more requests than this "

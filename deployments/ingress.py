@@ -32,7 +32,7 @@ from services.draft import DRAFTERS, EAGLE_DRAFTER, FEATURE_DRAFTERS, MODEL_DRAF
 from services.errors import CapacityError, SessionNotFoundError
 from services.loading import check_tokenizers, describe
 from services.loop import PRE_DRAFT_GUESSES, Calls, Results, SpeculativeLoop, StepOutput
-from services.policy import AcceptanceCounts, AdaptiveK, CostModel
+from services.policy import AcceptanceCounts, AdaptiveK, CostModel, RequestGate
 from services.text import TextStream
 from splitspec.v1 import splitspec_pb2 as pb
 
@@ -85,6 +85,7 @@ class SpecDecodeIngress:
         # what the adaptive policy learns, per ingress replica: stage-call costs and each drafter's acceptance
         self.costs = defaultdict(CostModel)
         self.acceptance = defaultdict(AcceptanceCounts)
+        self.gates = defaultdict(lambda: RequestGate(self.config.speculation.explore_every))  # per drafter
         self.active = 0  # requests between prefill and their last step on this replica (the adaptive policy's load)
         self._check_placement()
         self._watchdog = asyncio.get_event_loop().create_task(self._watch_placement())
@@ -188,18 +189,22 @@ class SpecDecodeIngress:
     async def _speculative_decode(self, plan: api.Plan, timer: _Timer) -> AsyncIterator[StepOutput]:
         """prefill, then services.loop's SpeculativeLoop over the draft and verify handles, one StepOutput per step."""
         sid, params = plan.session_id, plan.params
-        # 1. prefill the target and, in parallel, start the draft session over the same prompt
-        #    (a feature drafter starts once prefill has its prompt features; they go by reference)
-        features = plan.speculate and plan.drafter in FEATURE_DRAFTERS
-        prefilled = self.prefill.prefill.remote(plan.prompt_ids, params, features)
-        started = None
-        if plan.speculate and "draft" in self.unplaceable:
-            self._fall_back(plan, StageUnavailableError(self.unplaceable["draft"]), "start")
-        elif plan.speculate and not features:
-            started = self.draft.start.remote(sid, plan.prompt_ids, params, plan.drafter)
-        draft = verify = None
+        started = draft = verify = None
         self.active += 1
         try:
+            if plan.speculate and plan.adaptive and not plan.overlap:  # where speculation does not pay: no drafter
+                why = self.gates[plan.drafter].decline(self._policy(plan))
+                if why:
+                    plan.declined = True
+                    self.metrics.declined(why)
+            # 1. prefill the target and, in parallel, start the draft session over the same prompt
+            #    (a feature drafter starts once prefill has its prompt features; they go by reference)
+            features = plan.drafting and plan.drafter in FEATURE_DRAFTERS
+            prefilled = self.prefill.prefill.remote(plan.prompt_ids, params, features)
+            if plan.drafting and "draft" in self.unplaceable:
+                self._fall_back(plan, StageUnavailableError(self.unplaceable["draft"]), "start")
+            elif plan.drafting and not features:
+                started = self.draft.start.remote(sid, plan.prompt_ids, params, plan.drafter)
             handoff = await self._call("prefill", prefilled)
             timer.prefill_ms = timer.ms()
             if features and not plan.fallback:
@@ -226,10 +231,7 @@ class SpecDecodeIngress:
             })
             del handoff  # the last reference here: the object store frees the KV once the verifier holds it
             timer.ttft_ms = timer.ms()
-            policy = None
-            if plan.adaptive:
-                policy = AdaptiveK(self.costs[plan.drafter], self.acceptance[plan.drafter], k_max=plan.num_draft_tokens,
-                                   load=lambda: self.active, max_load=self.config.speculation.off_above_concurrency)
+            policy = self._policy(plan) if plan.adaptive and plan.drafting else None
             loop = SpeculativeLoop(first_token, max_new_tokens=plan.max_new_tokens, eos=self.target.eos_token_ids,
                                    num_draft_tokens=plan.num_draft_tokens, drafting=draft is not None and not plan.fallback,
                                    policy=policy, overlap=plan.overlap, guesses=PRE_DRAFT_GUESSES[plan.drafter],
@@ -250,6 +252,11 @@ class SpecDecodeIngress:
                 draft.close.remote(sid)
             elif started is not None:
                 self._close_when_started(sid, started)
+
+    def _policy(self, plan: api.Plan) -> AdaptiveK:
+        """A request's adaptive k, on this replica's measured costs and its drafter's acceptance so far."""
+        return AdaptiveK(self.costs[plan.drafter], self.acceptance[plan.drafter], k_max=plan.num_draft_tokens,
+                         load=lambda: self.active, max_load=self.config.speculation.off_above_concurrency)
 
     async def _execute(self, calls: Calls, plan: api.Plan, draft, verify) -> Results:
         """Run one round of the loop's stage calls (both at once when it pre-drafts) and time each."""

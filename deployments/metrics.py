@@ -45,6 +45,8 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "splitspec_pre_draft_hits": ("counter", "Pre-drafts whose guess was right: the next block was ready with the verdict.", ()),
     "splitspec_kv_handoff_bytes": ("counter", "Bytes of prefill KV handed to verifiers through the object store.", ()),
     "splitspec_drafter_fallbacks": ("counter", "Requests whose speculation was turned off because the draft stage failed.", ("reason",)),
+    "splitspec_speculation_declined": ("counter", "Adaptive requests served without a drafter, by reason: speculation had not "
+                                       "paid on earlier requests (cost) or the ingress was overloaded (load).", ("reason",)),
     "splitspec_time_to_first_token_seconds": ("histogram", "Request received -> first token ready.", ()),
     "splitspec_inter_token_latency_seconds": ("histogram", "Time between consecutive tokens sent to a client (per token).", ()),
     "splitspec_request_latency_seconds": ("histogram", "Request received -> last token ready.", ()),
@@ -53,7 +55,7 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "splitspec_accepted_length": ("histogram", "Tokens emitted per verify step (accepted drafts + recovered or bonus).", ()),
     "splitspec_open_sessions": ("gauge", "Sessions open on this draft / verify replica.", ("stage",)),
     "splitspec_kv_bytes_held": ("gauge", "KV bytes held by this draft / verify replica.", ("stage",)),
-    "splitspec_batch_calls": ("histogram", "Calls of concurrent requests batched into one engine pass, by stage (prefill, verify).", ("stage",)),
+    "splitspec_batch_calls": ("histogram", "Calls of concurrent requests batched into one engine pass, by stage (prefill, draft, verify).", ("stage",)),
     "splitspec_batch_rows": ("histogram", "Rows (tokens) of one batched engine pass, by stage.", ("stage",)),
 }
 BUCKETS = {"splitspec_accepted_length": ACCEPTED_LENGTH, "splitspec_batch_calls": BATCH_SIZE, "splitspec_batch_rows": BATCH_SIZE}
@@ -133,6 +135,9 @@ class RequestMetrics:
 
     def fallback(self, reason: str) -> None:
         self.m.inc("splitspec_drafter_fallbacks", reason=reason)
+
+    def declined(self, reason: str) -> None:
+        self.m.inc("splitspec_speculation_declined", reason=reason)
 
     def finished(self, method: str, outcome: str, latency_s: float | None = None) -> None:
         self.m.inc("splitspec_requests", method=method, outcome=outcome)

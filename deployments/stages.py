@@ -27,7 +27,7 @@ from deployments.batching import ContinuousBatcher
 from deployments.config import AppConfig
 from deployments.metrics import SessionMetrics
 from services import eagle_draft
-from services.draft import DraftEngine, DraftProposal
+from services.draft import DraftEngine, DraftProposal, ProposeCall
 from services.loading import LoadedModel, check_device, config_of, load_causal_lm, set_num_threads
 from services.prefill import PrefillCall, PrefillEngine, PrefillProgress
 from services.runner import warm_up
@@ -97,7 +97,7 @@ class _Stage:
         set_num_threads(self.config.stage(self.stage).threads)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"splitspec-{self.stage}")
         self.opened = 0  # sessions opened on this replica
-        self.session_metrics = SessionMetrics(self.stage)  # batched passes (prefill, verify); sessions (draft, verify)
+        self.session_metrics = SessionMetrics(self.stage)  # batched passes (every stage); sessions (draft, verify)
         if self.stage != "prefill":  # draft and verify hold sessions
             self._reporter = asyncio.get_event_loop().create_task(self._report_sessions())
 
@@ -107,9 +107,11 @@ class _Stage:
         return len(sessions), sessions.kv_bytes
 
     async def stats(self) -> dict:
-        """This replica's sessions: open now, opened in all, KV bytes held."""
+        """This replica's sessions: open now, opened in all, KV bytes held; its batched passes: how many ran, and
+        the most sessions' calls one of them took."""
         sessions, kv_bytes = await self._run(self._session_counts)
-        return {"replica_id": _identity()[0], "sessions": sessions, "opened": self.opened, "kv_bytes": kv_bytes}
+        return {"replica_id": _identity()[0], "sessions": sessions, "opened": self.opened, "kv_bytes": kv_bytes,
+                "passes": self.batcher.passes, "largest_pass": self.batcher.largest_pass}
 
     async def _run(self, fn: Callable, *args):
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
@@ -181,6 +183,10 @@ class Draft(_Stage):
             eagle_head=head,
         )
         warm_up(self.engine.runner)
+        # proposals of concurrent sessions draft in lockstep, one model pass per draft step for all of them; a
+        # session calls again only after its verify step, so a pass does not wait for the sessions it answered
+        self.batcher = ContinuousBatcher(self._propose_pass, max_rows=self.config.batch_rows(self.stage), gather_max_s=0.0,
+                                         on_pass=lambda p: self.session_metrics.batched_pass(p.calls, p.rows))
 
     async def start(self, request_id: str, prompt_ids: list[int], params: SamplingParams, drafter: str,
                     handoff: KVHandoff | None = None) -> SessionOpened:
@@ -195,9 +201,13 @@ class Draft(_Stage):
         """Accept the verdicts since the last proposal (each ``(n_matches, next_token, features)``), then draft k tokens
         after ``forced`` ones — with ``guesses``, a block of k per likely verdict on them (the block the verifier is
         checking meanwhile: pre-drafting, services.loop)."""
-        return await self._run(self.engine.propose, request_id, k, forced, guesses, accepts)
+        return await self.batcher.submit(ProposeCall(request_id, k, list(forced), guesses, list(accepts)))
+
+    async def _propose_pass(self, calls: list[ProposeCall]) -> list:
+        return await self._run(self.engine.propose_batch, calls)
 
     async def close(self, request_id: str) -> None:
+        self.batcher.forget(request_id)
         await self._run(self.engine.close, request_id)
 
 
@@ -235,10 +245,6 @@ class Verify(_Stage):
 
     async def _verify_pass(self, calls: list[VerifyCall]) -> list:
         return await self._run(self.engine.verify_batch, calls)
-
-    async def stats(self) -> dict:
-        """Also the batched passes: how many ran, and the most sessions' calls one of them took."""
-        return await super().stats() | {"passes": self.batcher.passes, "largest_pass": self.batcher.largest_pass}
 
     async def close(self, request_id: str) -> None:
         self.batcher.forget(request_id)

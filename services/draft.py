@@ -26,6 +26,7 @@ from services import draft_vocab, eagle_draft
 from services.eagle_draft import EAGLE_DRAFTER
 from services.draft_vocab import DraftVocab
 from services.errors import InvalidRequestError
+from services.models import eagle
 from services.loading import LoadedModel
 from services.prompt_lookup import find_candidates
 from services.runner import make_runner
@@ -76,6 +77,30 @@ def branch_keys(prefix_logits: list[torch.Tensor], forced: list[int], guesses: i
 
 
 @dataclass
+class Forward:
+    """A forward pass a draft-model session asks for: its uncached tokens against its KV; logits of the last row."""
+
+    input_ids: torch.Tensor  # [n]
+    cache: object
+
+
+@dataclass
+class ProposeCall:
+    """One session's ``propose`` in a batched draft pass (DraftEngine.propose_batch)."""
+
+    request_id: str
+    k: int
+    forced: Sequence[int] = ()
+    guesses: int = 0
+    accepts: Sequence[tuple] = ()  # the verdicts since the last proposal: (n_matches, next_token, features)
+
+    @property
+    def rows(self) -> int:
+        """Draft tokens it asks for (ContinuousBatcher's budget)."""
+        return max(1, self.k) * max(1, self.guesses)
+
+
+@dataclass
 class ModelDraftSession:
     """A draft model's view of one sequence."""
 
@@ -91,10 +116,24 @@ class ModelDraftSession:
         return self.cache.nbytes
 
     def propose(self, k: int, forced: Sequence[int] = ()) -> DraftProposal:
+        return self._alone(self.propose_steps(k, forced))
+
+    def propose_steps(self, k: int, forced: Sequence[int] = ()):
+        """``propose`` as a generator of ``Forward`` chunks, sent their logits (DraftEngine.propose_batch batches
+        several sessions' chunks into one pass); its return value is the proposal."""
         # the cache always lags the context by >= 1 token, so there are logits to sample from
-        token_ids, probs = self._sample_chain(torch.tensor(self.tokens[self.cache.seq_len :] + list(forced)), k)
+        token_ids, probs = yield from self._sample_chain(torch.tensor(self.tokens[self.cache.seq_len :] + list(forced)), k)
         self.proposal = list(forced) + token_ids
         return DraftProposal(token_ids, probs)
+
+    def _alone(self, steps):
+        """Drive a generator of Forward chunks one forward pass at a time; its result."""
+        try:
+            chunk = next(steps)
+            while True:
+                chunk = steps.send(self.runner.forward(chunk.input_ids, chunk.cache, last_only=True))
+        except StopIteration as done:
+            return done.value
 
     def pre_draft(self, k: int, forced: Sequence[int], guesses: int) -> DraftProposal:
         """A block of k after each likely verdict on ``forced`` (rolling the KV back to each branch point)."""
@@ -106,16 +145,17 @@ class ModelDraftSession:
         for n, guess in branch_keys(prefix_logits, forced, guesses):  # deepest branch point first
             self.cache.crop(context_len + n)  # the context, forced[:n]; the guess goes next
             valid = min(valid, context_len + n)
-            ids, probs = self._sample_chain(torch.tensor([guess]), k)
+            ids, probs = self._alone(self._sample_chain(torch.tensor([guess]), k))
             branches.append(Branch(n, guess, ids, probs))
         self.cache.crop(valid)
         self.proposal = forced
         return DraftProposal([], None, branches)
 
-    def _sample_chain(self, uncached: torch.Tensor, k: int) -> tuple[list[int], torch.Tensor | None]:
+    def _sample_chain(self, uncached: torch.Tensor, k: int):
+        """k tokens, each from the logits of a forward pass over the uncached tokens (a generator of Forward)."""
         token_ids, q_rows = [], []
         for _ in range(k):
-            logits = self.runner.forward(uncached, self.cache, last_only=True)  # [1, vocab_size]
+            logits = yield Forward(uncached, self.cache)  # [1, vocab_size]
             if self.params.greedy:  # q is one-hot at the argmax: no need to build it
                 x = logits.argmax(dim=-1)  # [1]
             else:
@@ -202,6 +242,7 @@ class DraftEngine:
             vocab_size = eagle_head.embed.shape[0]
         self.vocab_size = vocab_size or (draft.vocab_size if draft else 2**31 - 1)
         self.sessions: SessionStore = SessionStore(kind="draft", max_sessions=max_sessions, max_kv_bytes=max_kv_bytes)
+        self.batch_passes = {EAGLE_DRAFTER: 0, MODEL_DRAFTER: 0}  # passes propose_batch ran, by model kind
 
     @property
     def drafters(self) -> tuple[str, ...]:
@@ -242,18 +283,87 @@ class DraftEngine:
         """Draft k tokens after the accepted context, or after ``forced`` tokens that follow it (taken as drafted);
         with ``guesses``, one block of k per likely verdict on the forced tokens instead (``DraftProposal.branches``).
         ``accepts``: the verdicts since the last proposal, each ``(n_matches, next_token, features)``, accepted first."""
-        for n_matches, next_token, features in accepts:
-            self.accept(request_id, n_matches, next_token, features)
-        validate_num_draft_tokens(k)
-        forced = [int(t) for t in forced]
-        if len(forced) > MAX_DRAFT_TOKENS or any(not 0 <= t < self.vocab_size for t in forced):
-            raise InvalidRequestError(f"forced draft tokens must be at most {MAX_DRAFT_TOKENS} ids in [0, {self.vocab_size})")
-        if not 0 <= guesses <= MAX_GUESSES:
-            raise InvalidRequestError(f"guesses must be in [0, {MAX_GUESSES}], got {guesses}")
-        session = self.sessions.get(request_id)
+        session, forced = self._prepare(ProposeCall(request_id, k, forced, guesses, accepts))
         proposal = session.pre_draft(k, forced, guesses) if guesses else session.propose(k, forced)
         self.sessions.enforce_limits(keep=request_id)
         return proposal
+
+    def propose_batch(self, calls: Sequence[ProposeCall]) -> list[DraftProposal | Exception]:
+        """``propose`` for several sessions at once, each result (or typed error) in its call's slot.
+
+        The sessions draft in lockstep: at each step the EAGLE sessions' rows go through the head in one pass
+        (eagle.run_rows) and the draft-model sessions' chunks through the draft model in one pass
+        (``forward_batch``), so every weight is read once per step for all of them. A session's proposal is the
+        one it gets alone (the matmul kernel's rows do not depend on each other; tested). Prompt-lookup sessions
+        need no model. A call with bad input fails alone, and so does a second call of one session.
+        """
+        results: list = [None] * len(calls)
+        steps: dict[int, object] = {}  # slot -> the session's drafting, a generator of Rows / Forward
+        seen: set[str] = set()
+        for slot, call in enumerate(calls):
+            try:
+                if call.request_id in seen:
+                    raise InvalidRequestError(f"two propose calls for session {call.request_id!r} in one pass")
+                seen.add(call.request_id)
+                session, forced = self._prepare(call)
+                if isinstance(session, eagle_draft.EagleDraftSession) and call.guesses:
+                    steps[slot] = session.pre_draft_steps(call.k, forced, call.guesses)
+                elif isinstance(session, PromptLookupSession) or call.guesses:  # no model, or a model pre-draft: alone
+                    results[slot] = session.pre_draft(call.k, forced, call.guesses) if call.guesses else session.propose(call.k, forced)
+                else:
+                    steps[slot] = session.propose_steps(call.k, forced)
+            except Exception as exc:  # noqa: BLE001 - this call's error, in its slot
+                results[slot] = exc
+        self._lockstep(steps, results)
+        if calls:
+            self.sessions.enforce_limits(keep=calls[-1].request_id)  # the pass's sessions are the most recently used
+        return results
+
+    def _prepare(self, call: ProposeCall):
+        """Accept the call's verdicts and check its arguments; its session and forced tokens."""
+        for n_matches, next_token, features in call.accepts:
+            self.accept(call.request_id, n_matches, next_token, features)
+        validate_num_draft_tokens(call.k)
+        forced = [int(t) for t in call.forced]
+        if len(forced) > MAX_DRAFT_TOKENS or any(not 0 <= t < self.vocab_size for t in forced):
+            raise InvalidRequestError(f"forced draft tokens must be at most {MAX_DRAFT_TOKENS} ids in [0, {self.vocab_size})")
+        if not 0 <= call.guesses <= MAX_GUESSES:
+            raise InvalidRequestError(f"guesses must be in [0, {MAX_GUESSES}], got {call.guesses}")
+        return self.sessions.get(call.request_id), forced
+
+    def _forward(self, chunks: list[Forward]) -> list[torch.Tensor]:  # -> per chunk [1, vocab_size]
+        return self.runner.forward_batch([(c.input_ids, c.cache) for c in chunks], last_only=True)[0]
+
+    def _lockstep(self, steps: dict, results: list) -> None:
+        """Run the sessions' drafting generators step by step, each step's requests batched by kind."""
+        asked: dict[int, object] = {}
+
+        def advance(slot: int, answer) -> None:
+            try:
+                asked[slot] = steps[slot].send(answer)
+            except StopIteration as done:
+                results[slot] = done.value
+            except Exception as exc:  # noqa: BLE001 - this session's error, in its slot
+                results[slot] = exc
+
+        for slot in steps:
+            advance(slot, None)
+        while asked:
+            now, answers = dict(asked), {}
+            asked.clear()
+            for kind, request, run in ((EAGLE_DRAFTER, eagle.Rows, eagle.run_rows), (MODEL_DRAFTER, Forward, self._forward)):
+                group = {slot: r for slot, r in now.items() if isinstance(r, request)}
+                if not group:
+                    continue
+                self.batch_passes[kind] += 1
+                try:
+                    answers.update(zip(group, run(list(group.values()))))
+                except Exception as exc:  # noqa: BLE001 - the pass failed: each of its sessions gets the error
+                    for slot in group:
+                        results[slot] = exc
+            for slot in now:
+                if slot in answers:
+                    advance(slot, answers[slot])
 
     def accept(self, request_id: str, n_matches: int, next_token: int, features: torch.Tensor | None = None) -> None:
         """Roll back to the verdict; ``features`` [n_matches + 1, hidden] feed a feature drafter (ignored by others)."""

@@ -98,38 +98,46 @@ class EagleDraftSession:
         return self.state.nbytes + self.unpaired.nbytes
 
     def propose(self, k: int, forced: Sequence[int] = ()):
+        return eagle.run_alone(self.propose_steps(k, forced))
+
+    def pre_draft(self, k: int, forced: Sequence[int], guesses: int):
+        return eagle.run_alone(self.pre_draft_steps(k, forced, guesses))
+
+    def propose_steps(self, k: int, forced: Sequence[int] = ()):
+        """``propose`` as a generator: it yields the head's ``Rows`` and is sent their logits, so that a draft
+        engine can run several sessions' steps in one pass (eagle.run_rows); its return value is the proposal."""
         from services.draft import DraftProposal
 
-        self._catch_up()
+        yield from self._catch_up()
         logits = self.next_logits
         self.state.chain_len, self.state.g = 0, self.context_g  # a new chain from the accepted context
         for x in forced:  # through the block being verified, on the head's own predicted features
-            logits = self.state.chain_logits(x)
-        token_ids, probs = self._sample_chain(logits, k)
+            logits = yield self.state.chain_rows(x)
+        token_ids, probs = yield from self._sample_chain(logits, k)
         self.proposal = list(forced) + token_ids
         return DraftProposal(token_ids, probs)  # q: [k, vocab_size]
 
-    def pre_draft(self, k: int, forced: Sequence[int], guesses: int):
+    def pre_draft_steps(self, k: int, forced: Sequence[int], guesses: int):
         """A block of k after each likely verdict on ``forced``: the chain forks at the branch point's row and feature."""
         from services.draft import Branch, DraftProposal, branch_keys
 
-        self._catch_up()
+        yield from self._catch_up()
         kept, state = self.head.kept_ids, self.state
         state.chain_len, state.g = 0, self.context_g
         forks = [(self.next_logits, state.g)]  # per prefix forced[:n]: logits of the next token, the feature fed with it
         for x in forced:
-            forks.append((state.chain_logits(x), state.g))
+            forks.append(((yield state.chain_rows(x)), state.g))
         prefix_logits = [scatter_kept(logits[None], kept, self.vocab_size)[0] for logits, _ in forks]  # [V] each
         branches = []
         for n, guess in sorted(branch_keys(prefix_logits, list(forced), guesses), key=lambda key: -key[0]):
             state.chain_len, state.g = n, forks[n][1]  # rows of forced[:n] stay; deeper forks are done first
-            ids, probs = self._sample_chain(state.chain_logits(guess), k)
+            ids, probs = yield from self._sample_chain((yield state.chain_rows(guess)), k)
             branches.append(Branch(n, guess, ids, probs))
         self.proposal = list(forced)
         return DraftProposal([], None, sorted(branches, key=lambda b: -b.n_matches))
 
-    def _sample_chain(self, logits: torch.Tensor, k: int) -> tuple[list[int], torch.Tensor | None]:
-        """k tokens sampled from the chain, starting from ``logits`` [N] over the kept ids."""
+    def _sample_chain(self, logits: torch.Tensor, k: int):
+        """k tokens sampled from the chain, starting from ``logits`` [N] over the kept ids (a generator of Rows)."""
         kept, token_ids, q_rows = self.head.kept_ids, [], []
         for i in range(k):
             if self.params.greedy:
@@ -140,7 +148,7 @@ class EagleDraftSession:
                 q_rows.append(q[0])
             token_ids.append(x)
             if i + 1 < k:
-                logits = self.state.chain_logits(x)
+                logits = yield self.state.chain_rows(x)
         return token_ids, None if self.params.greedy else torch.stack(q_rows)  # [k, vocab_size]
 
     def accept(self, n_matches: int, next_token: int, features: torch.Tensor | None = None) -> None:
@@ -164,8 +172,9 @@ class EagleDraftSession:
         """Accepted positions before the last whose feature the session lacks (< 0: it has one whose next token it lacks)."""
         return len(self.tokens) - 1 - (self.state.length + self.unpaired.shape[0])
 
-    def _catch_up(self) -> None:
-        """Extend the head over the accepted positions it has not read: feature f_t with token x_{t+1}."""
+    def _catch_up(self):
+        """Extend the head over the accepted positions it has not read: feature f_t with token x_{t+1} (a generator
+        of Rows: nothing when it has read them all)."""
         if self.next_logits is not None:
             return
         m, missing = self.unpaired.shape[0], self._missing_features()
@@ -173,7 +182,7 @@ class EagleDraftSession:
             raise InvalidRequestError("the EAGLE drafter has not been told the token after the prompt: accept a verdict before proposing")
         if m == 0 or missing > 0:
             raise InvalidRequestError("the EAGLE drafter needs the target's features of every accepted token")
-        self.next_logits = self.state.extend_logits(self.unpaired, torch.tensor(self.tokens[-m:]))
+        self.next_logits = yield self.state.extend_rows(self.unpaired, torch.tensor(self.tokens[-m:]))
         self.context_g = self.state.g
         self.unpaired = self.unpaired[:0]
 

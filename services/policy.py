@@ -32,6 +32,11 @@ draft row that is rejected takes room from another session's token: with
 more than ``max_load`` requests in flight the policy drafts nothing (the
 rule of vLLM's ``disable_by_batch_size``; SmartSpec, arXiv 2406.14066,
 derives it from goodput). ``splitspec bench load`` measured where it pays.
+
+``RequestGate`` makes the same choice once per request, before it starts:
+where speculation has not paid on earlier requests (or under load), a
+request runs without a draft session at all, as with speculation off, and
+only every few such requests speculate to keep the estimates fresh.
 """
 
 from __future__ import annotations
@@ -48,6 +53,8 @@ DEFAULT_MAX_DRAFT_TOKENS = 4
 DEFAULT_MARGIN = 0.05
 DEFAULT_PROBE_EVERY = 16
 MAX_PROBE_EVERY = 128  # probes that do not turn speculation back on back off, doubling up to this
+DEFAULT_EXPLORE_EVERY = 8  # of the requests declined on cost, every this many speculates anyway (RequestGate)
+DECLINED_COST, DECLINED_LOAD = "cost", "load"  # why RequestGate declined a request
 
 
 @dataclass
@@ -150,10 +157,8 @@ class AdaptiveK:
             return 0
         if self.costs.step(1) is None:  # nothing measured yet: speculate once to learn the costs
             return 1
-        gains = expected_tokens([self.counts.rate(j, self.prior) for j in range(k_max)])
-        rate = {k: gains[k] / t for k in range(k_max + 1) if (t := self.costs.step(k)) is not None}
-        best = max(rate, key=rate.get)
-        if best > 0 and rate[best] >= rate[0] * (1 + self.margin):
+        best = self._best(k_max)
+        if best > 0:
             self.probe_interval = self.probe_every
             self.steps_since_explore += 1
             unmeasured = best + 1 <= k_max and best + 1 not in self.costs.propose_s
@@ -165,6 +170,20 @@ class AdaptiveK:
             self.probe_interval = min(2 * self.probe_interval, MAX_PROBE_EVERY)
             return 1  # probe: the text may have turned predictable
         return 0
+
+    def _best(self, k_max: int) -> int:
+        """The k in 0 .. k_max with the most tokens per second, E(k) / T(k); k > 0 must beat k = 0 by ``margin``."""
+        gains = expected_tokens([self.counts.rate(j, self.prior) for j in range(k_max)])
+        rate = {k: gains[k] / t for k in range(k_max + 1) if (t := self.costs.step(k)) is not None}
+        best = max(rate, key=rate.get)
+        return best if best > 0 and rate[best] >= rate[0] * (1 + self.margin) else 0
+
+    def would_speculate(self) -> bool:
+        """Whether a request's first step would draft (without probing): not overloaded, and the costs and the
+        acceptance measured so far say speculation pays, or nothing has been measured yet."""
+        if self.overloaded:
+            return False
+        return self.costs.step(1) is None or self._best(self.k_max) > 0
 
     @property
     def overloaded(self) -> bool:
@@ -184,6 +203,34 @@ class AdaptiveK:
         if self.prior is not None:
             self.prior.add(n_drafted, n_matches)
         self.steps_without_drafting = 0 if n_drafted else self.steps_without_drafting + 1
+
+
+@dataclass
+class RequestGate:
+    """Per drafter: whether an adaptive request opens a draft session at all.
+
+    While the policy sits at k = 0 a request still pays for speculation being
+    possible: a draft session, the target's features at prefill and in every
+    verdict, probes. Where the costs and the acceptance measured over earlier
+    requests say speculation does not pay (``AdaptiveK.would_speculate``), or
+    the ingress is overloaded, a request is served as with speculation off —
+    the same path, the same cost. Every ``explore_every``-th request it
+    declines on cost speculates anyway, so that the estimates follow a change
+    of prompts or of load on the hardware.
+    """
+
+    explore_every: int = DEFAULT_EXPLORE_EVERY
+    declined: int = 0  # requests declined on cost since the last one that speculated
+
+    def decline(self, policy: AdaptiveK) -> str:
+        """Why a request starting now should not speculate (DECLINED_LOAD or DECLINED_COST), or "" if it should."""
+        if policy.overloaded:
+            return DECLINED_LOAD
+        if policy.would_speculate() or self.declined + 1 >= self.explore_every:
+            self.declined = 0
+            return ""
+        self.declined += 1
+        return DECLINED_COST
 
 
 def _extrapolate(averages: dict[int, float], key: int, scale) -> float | None:

@@ -81,7 +81,7 @@ PANELS = [
         ("p50", _q(0.5, "ray_splitspec_accepted_length")),
         ("p95", _q(0.95, "ray_splitspec_accepted_length")),
     )),
-    Panel("Batched pass size (prefill / verify): calls and rows per pass", "short", (
+    Panel("Batched pass size (prefill / draft / verify): calls and rows per pass", "short", (
         ("sessions p50 {{stage}}", _q(0.5, "ray_splitspec_batch_calls", "stage")),
         ("rows p50 {{stage}}", _q(0.5, "ray_splitspec_batch_rows", "stage")),
         ("rows p95 {{stage}}", _q(0.95, "ray_splitspec_batch_rows", "stage")),
@@ -96,9 +96,12 @@ PANELS = [
     Panel("KV bytes held per replica", "bytes", (
         ("{{deployment}} {{replica}}", f'sum by (deployment, replica) (ray_splitspec_kv_bytes_held{{{APP}, deployment=~"$deployment"}})'),
     )),
-    Panel("Drafter fallbacks", "short", (
-        ("speculation turned off", f"sum(increase(ray_splitspec_drafter_fallbacks_total{{{APP}}}[5m])) or vector(0)"),
-    ), "Requests that lost speculation because the draft stage failed (they still get the target's answer)."),
+    Panel("Requests without speculation", "short", (
+        ("draft stage failed (fallback)", f"sum(increase(ray_splitspec_drafter_fallbacks_total{{{APP}}}[5m])) or vector(0)"),
+        ("declined: {{reason}}", f"sum by (reason) (increase(ray_splitspec_speculation_declined_total{{{APP}}}[5m]))"),
+    ), "Requests that lost speculation because the draft stage failed (they still get the target's answer), and "
+       "adaptive requests served without a drafter: speculation had not paid on earlier requests (cost) or the "
+       "ingress was overloaded (load)."),
 ]
 
 

@@ -384,18 +384,98 @@ def report_json(**parts) -> str:
 # ---- inference (one sequence, KV cache) -------------------------------------------------------------
 
 
-def _gemv_weights(head: EagleHead) -> tuple[torch.Tensor, ...]:
-    """The head's weights as [in, out] (the GEMV layout, see fast_llama.Linear), made once and shared by its sessions."""
-    cached = getattr(head, "_gemv", None)
-    if cached is None:
-        t = lambda lin: lin.weight.detach().t().contiguous()  # noqa: E731  [in, out]
-        cached = (
-            t(head.feature_in), t(head.fc), torch.cat([t(head.wq), t(head.wk), t(head.wv)], dim=1), t(head.wo),
-            torch.cat([t(head.w_gate), t(head.w_up)], dim=1), t(head.w_down),
-            head.embed[head.kept_ids].t().contiguous(),  # [h, N]
-        )
-        object.__setattr__(head, "_gemv", cached)  # not a parameter or buffer
-    return cached
+@dataclass(frozen=True)
+class HeadLinears:
+    """The head's matmuls as fast_llama.Linear (the skinny kernel where built: a row's result does not depend on
+    the other rows of its call, so sessions batched into one pass draft what they draft alone), made once per head."""
+
+    feature_in: object
+    fc: object
+    qkv: object  # q | k | v
+    o: object
+    gate_up: object
+    down: object
+    lm_head: object  # the target's embedding rows of the kept ids, [N, h]
+
+    @staticmethod
+    def of(head: EagleHead) -> "HeadLinears":
+        from services.fast_llama import Linear
+
+        cached = getattr(head, "_linears", None)
+        if cached is None:
+            w = lambda lin: lin.weight.detach()  # noqa: E731  [out, in]
+            cached = HeadLinears(
+                Linear(w(head.feature_in)), Linear(w(head.fc)), Linear(torch.cat([w(head.wq), w(head.wk), w(head.wv)])),
+                Linear(w(head.wo)), Linear(torch.cat([w(head.w_gate), w(head.w_up)])), Linear(w(head.w_down)),
+                Linear(head.embed[head.kept_ids]),
+            )
+            object.__setattr__(head, "_linears", cached)  # not a parameter or buffer
+        return cached
+
+
+@dataclass
+class Rows:
+    """One session's rows of a head pass (``run_rows`` batches several sessions' rows into one)."""
+
+    session: "HeadSession"
+    g: torch.Tensor  # [n, h] the features fed with the tokens
+    tokens: torch.Tensor  # [n] the tokens
+    start: int  # position of the first row: its K/V go to start .. start + n
+    extend: bool  # accepted context rows (``extend_rows``) or one chain row (``chain_rows``)
+
+
+def _norm(x, norm: RMSNorm):
+    return norm.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.eps))
+
+
+@torch.inference_mode()
+def run_rows(batch: list[Rows]) -> list[torch.Tensor]:
+    """One pass of the head over the rows of several sessions (ragged, each attending to its own K/V): every
+    weight is read once for all of them. Returns each session's logits over the kept ids for its last row, [N],
+    and moves each session on (its context or chain grows, its next feature is set)."""
+    head = batch[0].session.head
+    lin = HeadLinears.of(head)
+    H, Hk, d = head.num_heads, head.num_kv_heads, head.head_dim
+    sizes = [len(r.tokens) for r in batch]
+    n_rows = sum(sizes)
+    g = torch.cat([r.g for r in batch])  # [R, h]
+    tokens = torch.cat([r.tokens for r in batch]).long()  # [R]
+    z = lin.fc(torch.cat([_norm(g, head.norm_feat), _norm(head.embed[tokens], head.norm_emb)], -1))  # [R, h]
+    qkv = lin.qkv(_norm(z, head.ln1))  # [R, (H + 2 Hk) d]
+    cos, sin = head.rope(torch.cat([torch.arange(r.start, r.start + n) for r, n in zip(batch, sizes)]))  # [R, d]
+    q = head.rotate(qkv[:, : H * d].view(n_rows, H, d).transpose(0, 1), cos, sin)  # [H, R, d]
+    k = head.rotate(qkv[:, H * d : (H + Hk) * d].view(n_rows, Hk, d).transpose(0, 1), cos, sin)  # [Hk, R, d]
+    v = qkv[:, (H + Hk) * d :].view(n_rows, Hk, d).transpose(0, 1)  # [Hk, R, d]
+    attn = torch.empty(n_rows, H * d)
+    offset = 0
+    for r, n in zip(batch, sizes):  # each session attends to its own context and chain
+        s, rows, end = r.session, slice(offset, offset + n), r.start + n
+        s.k[:, r.start : end], s.v[:, r.start : end] = k[:, rows], v[:, rows]
+        mask = torch.ones(n, end, dtype=torch.bool).tril_(diagonal=r.start) if n > 1 else None
+        out = F.scaled_dot_product_attention(q[None, :, rows].contiguous(), s.k[None, :, :end], s.v[None, :, :end],
+                                             attn_mask=mask, enable_gqa=True)[0]  # [H, n, d]
+        attn[rows] = out.transpose(0, 1).reshape(n, H * d)
+        offset += n
+    x = z + lin.o(attn)
+    gate, up = lin.gate_up(_norm(x, head.ln2)).chunk(2, dim=-1)
+    h_out = x + lin.down(F.silu(gate) * up)  # [R, h]
+    last = h_out[torch.tensor(sizes).cumsum(0) - 1]  # [B, h] each session's last row
+    normed = _norm(last, head.norm_out)
+    logits = lin.lm_head(normed)  # [B, N]
+    g_next = lin.feature_in(normed) if head.cfg.feature == "final" else last  # [B, h] fed with the next token
+    for i, r in enumerate(batch):
+        r.session.moved(r, g_next[i : i + 1])
+    return list(logits)
+
+
+def run_alone(steps):
+    """Drive a generator of ``Rows`` (a session's drafting, services.eagle_draft) one pass at a time; its result."""
+    try:
+        rows = next(steps)
+        while True:
+            rows = steps.send(run_rows([rows])[0])
+    except StopIteration as done:
+        return done.value
 
 
 class HeadSession:
@@ -405,45 +485,17 @@ class HeadSession:
     features f_a..f_t and the tokens x_{a+1}..x_{t+1}) and returns the first
     draft token; ``draft_one()`` chains the next one (``extend_logits`` /
     ``chain_logits``: the same with logits over the kept ids, for sampling); ``rollback()`` drops the chain
-    so the next ``extend`` continues from the accepted context. Weights are
-    kept as [in, out] (the GEMV layout, see fast_llama.Linear).
+    so the next ``extend`` continues from the accepted context. ``extend_rows`` / ``chain_rows`` are the same
+    steps as ``Rows`` for ``run_rows``, which runs several sessions' in one pass.
     """
 
     def __init__(self, head: EagleHead, capacity: int = 256):
         self.head = head
-        self.w_in, self.w_fc, self.w_qkv, self.w_o, self.w_gu, self.w_down, self.w_head = _gemv_weights(head)
         self.k = torch.zeros(head.num_kv_heads, capacity, head.head_dim)
         self.v = torch.zeros_like(self.k)
         self.length = 0  # accepted context rows
         self.chain_len = 0
         self.g = self.last_token = None
-
-    @staticmethod
-    def _norm(x, norm: RMSNorm):
-        return norm.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.eps))
-
-    def _rows(self, g, tokens, start):  # g: [n, h], tokens: [n] -> h_out [n, h]; writes K/V at start..start+n
-        hd = self.head
-        n, H, Hk, d = len(tokens), hd.num_heads, hd.num_kv_heads, hd.head_dim
-        z = torch.cat([self._norm(g, hd.norm_feat), self._norm(hd.embed[tokens], hd.norm_emb)], -1) @ self.w_fc
-        qkv = self._norm(z, hd.ln1) @ self.w_qkv
-        q = qkv[:, : H * d].view(n, H, d).transpose(0, 1)
-        k = qkv[:, H * d : (H + Hk) * d].view(n, Hk, d).transpose(0, 1)
-        v = qkv[:, (H + Hk) * d :].view(n, Hk, d).transpose(0, 1)
-        cos, sin = hd.rope(torch.arange(start, start + n))
-        q, k = hd.rotate(q[None], cos[None, None], sin[None, None])[0], hd.rotate(k[None], cos[None, None], sin[None, None])[0]
-        end = start + n
-        self.k[:, start:end], self.v[:, start:end] = k, v
-        mask = torch.ones(n, end, dtype=torch.bool).tril_(diagonal=start) if n > 1 else None
-        attn = F.scaled_dot_product_attention(q[None], self.k[None, :, :end], self.v[None, :, :end], attn_mask=mask, enable_gqa=True)[0]
-        x = z + attn.transpose(0, 1).reshape(n, H * d) @ self.w_o
-        gate, up = (self._norm(x, hd.ln2) @ self.w_gu).chunk(2, dim=-1)
-        return x + (F.silu(gate) * up) @ self.w_down
-
-    def _feedback(self, h_out):
-        if self.head.cfg.feature == "final":
-            return self._norm(h_out, self.head.norm_out) @ self.w_in
-        return h_out
 
     def _reserve(self, end: int) -> None:  # grow the K/V rows to hold ``end`` (doubling), keeping context and chain rows
         if end > self.k.shape[1]:
@@ -456,28 +508,34 @@ class HeadSession:
     def nbytes(self) -> int:
         return self.k.nbytes + self.v.nbytes
 
-    def _logits(self, h_out):  # [h] -> [N] logits over the kept ids
-        return self._norm(h_out, self.head.norm_out) @ self.w_head
-
     @torch.inference_mode()
+    def extend_rows(self, features: torch.Tensor, tokens: torch.Tensor) -> Rows:  # [n, F], [n]
+        """Append accepted positions (the chain is dropped); their pass gives the logits of the first draft token."""
+        self._reserve(self.length + len(tokens) + 1)
+        g = HeadLinears.of(self.head).feature_in(self.head.prepare(features.float()))  # [n, h]
+        return Rows(self, g, tokens.long(), self.length, extend=True)
+
+    def chain_rows(self, token: int) -> Rows:
+        """Feed a draft token back; its pass gives the logits of the next one."""
+        self._reserve(self.length + self.chain_len + 2)
+        return Rows(self, self.g, torch.tensor([int(token)]), self.length + self.chain_len, extend=False)
+
+    def moved(self, rows: Rows, g_next: torch.Tensor) -> None:
+        """``rows`` ran (run_rows): the context or the chain grew; ``g_next`` [1, h] goes with the next token."""
+        if rows.extend:
+            self.length += len(rows.tokens)
+            self.chain_len = 0
+        else:
+            self.chain_len += 1
+        self.g = g_next
+
     def extend_logits(self, features: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:  # [n, F], [n] -> [N]
         """Append accepted positions; the logits of the first draft token (over the kept ids)."""
-        self._reserve(self.length + len(tokens) + 1)
-        g = self.head.prepare(features.float()) @ self.w_in
-        h_out = self._rows(g, tokens.long(), self.length)
-        self.length += len(tokens)
-        self.chain_len = 0
-        self.g = self._feedback(h_out[-1:])
-        return self._logits(h_out[-1])
+        return run_rows([self.extend_rows(features, tokens)])[0]
 
-    @torch.inference_mode()
     def chain_logits(self, token: int) -> torch.Tensor:  # -> [N]
         """Feed a draft token back; the logits of the next one."""
-        self._reserve(self.length + self.chain_len + 2)
-        h_out = self._rows(self.g, torch.tensor([int(token)]), self.length + self.chain_len)
-        self.chain_len += 1
-        self.g = self._feedback(h_out[-1:])
-        return self._logits(h_out[-1])
+        return run_rows([self.chain_rows(token)])[0]
 
     def extend(self, features: torch.Tensor, tokens: torch.Tensor) -> int:  # [n, F], [n]
         self.last_token = int(self.head.kept_ids[self.extend_logits(features, tokens).argmax()])

@@ -103,7 +103,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
 
 class SpeculationStats(_message.Message):
-    __slots__ = ("steps", "drafted", "accepted", "accepted_per_position", "enabled", "drafter", "num_draft_tokens", "fell_back", "adaptive", "pre_drafts", "pre_draft_hits", "overlap")
+    __slots__ = ("steps", "drafted", "accepted", "accepted_per_position", "enabled", "drafter", "num_draft_tokens", "fell_back", "adaptive", "pre_drafts", "pre_draft_hits", "overlap", "declined")
     STEPS_FIELD_NUMBER: _ClassVar[int]
     DRAFTED_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
@@ -116,6 +116,7 @@ class SpeculationStats(_message.Message):
     PRE_DRAFTS_FIELD_NUMBER: _ClassVar[int]
     PRE_DRAFT_HITS_FIELD_NUMBER: _ClassVar[int]
     OVERLAP_FIELD_NUMBER: _ClassVar[int]
+    DECLINED_FIELD_NUMBER: _ClassVar[int]
     steps: int
     drafted: int
     accepted: int
@@ -128,7 +129,8 @@ class SpeculationStats(_message.Message):
     pre_drafts: int
     pre_draft_hits: int
     overlap: bool
-    def __init__(self, steps: _Optional[int] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., enabled: _Optional[bool] = ..., drafter: _Optional[str] = ..., num_draft_tokens: _Optional[int] = ..., fell_back: _Optional[bool] = ..., adaptive: _Optional[bool] = ..., pre_drafts: _Optional[int] = ..., pre_draft_hits: _Optional[int] = ..., overlap: _Optional[bool] = ...) -> None: ...
+    declined: bool
+    def __init__(self, steps: _Optional[int] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., enabled: _Optional[bool] = ..., drafter: _Optional[str] = ..., num_draft_tokens: _Optional[int] = ..., fell_back: _Optional[bool] = ..., adaptive: _Optional[bool] = ..., pre_drafts: _Optional[int] = ..., pre_draft_hits: _Optional[int] = ..., overlap: _Optional[bool] = ..., declined: _Optional[bool] = ...) -> None: ...
 
 class Timings(_message.Message):
     __slots__ = ("ttft_ms", "total_ms", "prefill_ms", "kv_handoff_ms")

@@ -8,7 +8,9 @@ import torch
 from services.draft import DraftEngine
 from services.loop import generate
 from services.models import eagle
-from services.policy import DEFAULT_PROBE_EVERY, AcceptanceCounts, AdaptiveK, CostModel, expected_tokens
+from services.policy import (
+    DECLINED_COST, DECLINED_LOAD, DEFAULT_PROBE_EVERY, AcceptanceCounts, AdaptiveK, CostModel, RequestGate, expected_tokens,
+)
 from services.sampling import SamplingParams
 from tests.conftest import greedy_reference
 from tests.services.test_engine import NEW_TOKENS, PROMPTS
@@ -189,3 +191,21 @@ def test_under_load_adaptive_k_drafts_nothing_and_resumes_after():
     unlimited = AdaptiveK(costs(0.040, 0.05, 0.002), k_max=4, load=lambda: 50, max_load=0)
     unlimited.observe(3, 3)
     assert unlimited.choose(100) >= 1
+
+
+def test_request_gate_serves_without_a_drafter_where_speculation_does_not_pay():
+    """Where earlier requests measured no gain, a request starts without a drafter; every explore_every-th such
+    request speculates anyway (so the estimates stay fresh); under load none does."""
+    gate = RequestGate(explore_every=4)
+    assert gate.decline(AdaptiveK(CostModel())) == ""  # nothing measured yet: speculate to learn
+    no_gain = AdaptiveK(costs(40e-3, 0.2, 6e-3, hop=3e-3), prior=counts([0.15, 0.1, 0.05, 0.02]))
+    assert not no_gain.would_speculate()
+    assert [gate.decline(no_gain) for _ in range(8)] == [DECLINED_COST] * 3 + [""] + [DECLINED_COST] * 3 + [""]
+    gain = AdaptiveK(costs(40e-3, 0.1, 1e-3), prior=counts([0.9, 0.85, 0.8, 0.8]))
+    assert gain.would_speculate() and gate.decline(gain) == ""
+    load = [3]
+    loaded = AdaptiveK(costs(40e-3, 0.1, 1e-3), prior=counts([0.9, 0.85]), load=lambda: load[0], max_load=2)
+    assert {gate.decline(loaded) for _ in range(10)} == {DECLINED_LOAD}
+    load[0] = 2
+    assert gate.decline(loaded) == ""
+    assert {RequestGate(explore_every=1).decline(no_gain) for _ in range(3)} == {""}  # 1: always speculate

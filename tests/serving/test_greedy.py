@@ -96,6 +96,23 @@ def test_server_default_is_adaptive_with_the_eagle_drafter(client, reference):
     assert stats.enabled and stats.adaptive and stats.drafter == "eagle" and stats.num_draft_tokens == 4
 
 
+def test_under_load_the_server_default_goes_without_a_drafter(client, reference):
+    """With more requests in flight than speculation.off_above_concurrency (2), an adaptive request opens no draft
+    session (services.policy.RequestGate): the stats say so, and the answer is the target's."""
+    import concurrent.futures
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        streams = [client.stream(messages=[("user", p)], max_new_tokens=64, speculate=False) for p in PROMPTS[1:3]]
+        firsts = [next(s) for s in streams]  # both are generating now
+        rests = [pool.submit(list, s) for s in streams]
+        response = client.generate(messages=[("user", PROMPTS[0])], max_new_tokens=MAX_NEW_TOKENS)
+        for first, rest in zip(firsts, rests):
+            assert first.token_ids and rest.result()[-1].finish_reason  # the loaded streams finish normally
+    stats = response.speculation_stats
+    assert stats.enabled and stats.adaptive and stats.declined and stats.drafted == 0 and stats.steps > 0, stats
+    assert list(response.token_ids) == reference(PROMPTS[0])
+
+
 SAMPLED_DRAWS = 400
 
 
@@ -132,7 +149,8 @@ def test_sampled_tokens_follow_the_target_through_the_graph(client, default_pair
 
 def test_concurrent_streams_are_batched_and_each_equals_its_answer_alone(client, reference):
     """12 concurrent requests with different policies (off, fixed k, adaptive), greedy and seeded sampled: the
-    verifier batches their steps into shared passes, and every answer is the one the request gets alone."""
+    verifier batches their steps and the drafter their proposals into shared passes, and every answer is the one
+    the request gets alone."""
     import concurrent.futures
 
     from ray import serve
@@ -143,8 +161,8 @@ def test_concurrent_streams_are_batched_and_each_equals_its_answer_alone(client,
            dict(speculate=True, drafter="eagle", num_draft_tokens=3), dict(speculate=True, drafter="model", num_draft_tokens=2),
            dict(speculate=True, drafter="eagle", num_draft_tokens=0)]
     jobs = [(prompt, mix[i % len(mix)]) for i, prompt in enumerate(PROMPTS * 3)][:11] + [(PROMPTS[0], sampled)]
-    verify = serve.get_deployment_handle("Verify", "splitspec")
-    before = verify.stats.remote().result()
+    verify, draft = (serve.get_deployment_handle(stage, "splitspec") for stage in ("Verify", "Draft"))
+    before = verify.stats.remote().result(), draft.stats.remote().result()
 
     def run(job):
         prompt, policy = job
@@ -156,5 +174,6 @@ def test_concurrent_streams_are_batched_and_each_equals_its_answer_alone(client,
     for (prompt, policy), tokens in zip(jobs[:-1], answers[:-1]):
         assert tokens == reference(prompt), (prompt, policy)
     assert answers[-1] == alone  # the seeded sampled request: same draws batched as alone
-    after = verify.stats.remote().result()
-    assert after["largest_pass"] >= 2, (before, after)  # steps of different sessions shared a target pass
+    after = verify.stats.remote().result(), draft.stats.remote().result()
+    assert after[0]["largest_pass"] >= 2, (before, after)  # steps of different sessions shared a target pass
+    assert after[1]["largest_pass"] >= 2, (before, after)  # and proposals a draft pass
