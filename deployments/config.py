@@ -77,6 +77,14 @@ class SpeculationDefaults(_Strict):
     )
 
 
+class Auth(_Strict):
+    token_sha256: str = Field(
+        "", pattern=r"^([0-9a-f]{64})?$",
+        description="hex SHA-256 of the bearer token every call must carry (`splitspec serve` sets it from "
+        "SPLITSPEC_AUTH_TOKEN or --auth-token-file; deployments.auth); empty = no authentication",
+    )
+
+
 class Limits(_Strict):
     max_new_tokens: int = Field(512, ge=1, description="largest max_new_tokens a request may ask for")
     default_max_new_tokens: int = Field(128, ge=1, description="max_new_tokens when a request leaves it unset")
@@ -110,6 +118,7 @@ class AppConfig(_Strict):
     models: Models = Field(default_factory=Models)
     speculation: SpeculationDefaults = Field(default_factory=SpeculationDefaults)
     limits: Limits = Field(default_factory=Limits)
+    auth: Auth = Field(default_factory=Auth)
     stages: Stages = Field(default_factory=Stages)
     ingress_replicas: int = Field(1, ge=1, description="replicas of the ingress (the loop runs there)")
     ingress_placement: Placement = Field(default_factory=Placement, description="where the ingress may run (default: anywhere)")

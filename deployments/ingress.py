@@ -20,13 +20,13 @@ from ray import exceptions as ray_exceptions
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from deployments import api
+from deployments import api, auth
 from deployments.config import AppConfig
 from deployments.metrics import RequestMetrics
 from deployments.placement import unplaceable
 from deployments.routing import pin
 from deployments.stages import model_dirs
-from deployments.status import RequestDeadlineError, StageUnavailableError, to_status, unwrap
+from deployments.status import RequestDeadlineError, StageUnavailableError, UnauthenticatedError, to_status, unwrap
 from services import eagle_draft
 from services.draft import DRAFTERS, EAGLE_DRAFTER, FEATURE_DRAFTERS, MODEL_DRAFTER
 from services.errors import CapacityError, SessionNotFoundError
@@ -95,6 +95,7 @@ class SpecDecodeIngress:
     async def Generate(self, request: pb.GenerateRequest, grpc_context) -> pb.GenerateResponse:
         timer = _Timer()
         try:
+            self._authenticate(grpc_context)
             plan = await asyncio.get_running_loop().run_in_executor(self._tokenizing, self._plan, request)
             text, token_ids, finish_reason = await asyncio.wait_for(
                 self._collect(plan, timer), timeout=self.config.limits.request_timeout_s
@@ -119,6 +120,7 @@ class SpecDecodeIngress:
         timer = _Timer()
         deadline = time.monotonic() + self.config.limits.request_timeout_s
         try:
+            self._authenticate(grpc_context)
             plan = await asyncio.get_running_loop().run_in_executor(self._tokenizing, self._plan, request)
             completion = 0
             async for step, token_ids, text in self._text_steps(plan, timer):
@@ -146,6 +148,12 @@ class SpecDecodeIngress:
             self._fail("GenerateStream", grpc_context, exc)
 
     # -- the loop ---------------------------------------------------------------------------------
+
+    def _authenticate(self, grpc_context) -> None:
+        """With auth.token_sha256 set, the call must carry its bearer token (compared in constant time)."""
+        expected = self.config.auth.token_sha256
+        if expected and not auth.authenticated(grpc_context.invocation_metadata(), expected):
+            raise UnauthenticatedError("unauthenticated")
 
     def _plan(self, request) -> api.Plan:
         essential = [why for stage, why in self.unplaceable.items() if stage != "draft"]  # without a drafter: no speculation

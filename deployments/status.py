@@ -27,6 +27,10 @@ class RequestDeadlineError(SplitspecError):
     """The request ran past its time budget."""
 
 
+class UnauthenticatedError(SplitspecError):
+    """The call did not carry the service's bearer token (deployments.auth)."""
+
+
 def unwrap(exc: BaseException) -> BaseException:
     """The exception a stage raised, without Ray's RayTaskError wrapper."""
     while isinstance(exc, ray_exceptions.RayTaskError) and exc.cause is not None and exc.cause is not exc:
@@ -37,6 +41,8 @@ def unwrap(exc: BaseException) -> BaseException:
 def to_status(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     """(status code, user-facing message) of an exception raised while serving a request."""
     exc = unwrap(exc)
+    if isinstance(exc, UnauthenticatedError):
+        return grpc.StatusCode.UNAUTHENTICATED, "unauthenticated"  # nothing more: no hint for a caller without the token
     if isinstance(exc, InvalidRequestError):
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
     if isinstance(exc, CapacityError):

@@ -9,6 +9,7 @@ import logging
 import sys
 from pathlib import Path
 
+from deployments import auth
 from splitspec.stopping import DEFAULT_STOP_TIMEOUT_S
 
 
@@ -129,6 +130,9 @@ def cmd_serve(args) -> int:
     from splitspec.v1 import splitspec_pb2  # noqa: F401 - fail here, not in the proxy, if the stubs are broken
 
     config = _load_config(args.config)
+    token = auth.read_token(args.auth_token_file)
+    if token:  # the app config carries only its digest
+        config = config.model_copy(update={"auth": config.auth.model_copy(update={"token_sha256": auth.token_digest(token)})})
     if not config.models.target or not config.models.draft:
         from services.models import default_pair
 
@@ -155,6 +159,8 @@ def cmd_serve(args) -> int:
                   "replicas ...", flush=True)
         if not stopper.requested.is_set() and cluster.deploy(config, name=args.app_name, stop=stopper.requested):
             print(f"splitspec is serving gRPC on 127.0.0.1:{args.grpc_port} (service splitspec.v1.SpecDecode)", flush=True)
+            if config.auth.token_sha256:
+                print("every call must carry the bearer token (authorization metadata)", flush=True)
             if local is not None and local.dashboard_url:
                 print(f"Ray dashboard: http://{local.dashboard_url}", flush=True)
             print("Ctrl-C stops it.", flush=True)
@@ -191,7 +197,7 @@ def cmd_generate(args) -> int:
         kwargs["prompt"] = args.prompt
     else:
         kwargs["messages"] = [("user", args.prompt)]
-    with SpecDecodeClient(args.address, application=args.app_name) as client:
+    with SpecDecodeClient(args.address, application=args.app_name, token=args.token) as client:
         try:
             last = None
             for chunk in client.stream(**kwargs):
@@ -373,6 +379,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="local Ray nodes: 1, or 3 labelled prefill / draft / verify (plus a head node)")
     serve.add_argument("--address", help="deploy onto this existing Ray cluster (e.g. auto) with the config's placement")
     serve.add_argument("--grpc-port", type=int, default=9000)
+    serve.add_argument("--auth-token-file", help=f"require this bearer token on every call (default: ${auth.TOKEN_ENV}, "
+                       "if set; none = no authentication)")
     serve.add_argument("--app-name", default="splitspec")
     serve.add_argument("--no-dashboard", action="store_true", help="do not start the Ray dashboard")
     serve.add_argument("--stop-timeout", type=float, default=DEFAULT_STOP_TIMEOUT_S,
@@ -391,6 +399,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("prompt")
     gen.add_argument("--address", default="127.0.0.1:9000", help="the service's gRPC address")
     gen.add_argument("--app-name", help="Serve application to call (needed only with several apps)")
+    gen.add_argument("--token", help=f"the server's bearer token (default: ${auth.TOKEN_ENV}, if set)")
     gen.add_argument("--raw", action="store_true", help="send the prompt as raw text, not as a chat message")
     gen.add_argument("--local", action="store_true", help="run the engine in this process instead")
     _model_args(gen)

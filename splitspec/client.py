@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator, Sequence
 
 import grpc
 
+from deployments import auth
 from splitspec.v1 import splitspec_pb2 as pb
 from splitspec.v1 import splitspec_pb2_grpc as pb_grpc
 
@@ -52,10 +54,15 @@ def make_request(
 
 
 class SpecDecodeClient:
-    def __init__(self, address: str = "127.0.0.1:9000", *, application: str | None = None, timeout_s: float | None = None):
+    """``token``: the server's bearer token (default: ``SPLITSPEC_AUTH_TOKEN``, if set; deployments.auth)."""
+
+    def __init__(self, address: str = "127.0.0.1:9000", *, application: str | None = None, timeout_s: float | None = None,
+                 token: str | None = None):
+        self.address = address
         self.channel = grpc.insecure_channel(address)
         self.stub = pb_grpc.SpecDecodeStub(self.channel)
-        self.metadata = (("application", application),) if application else ()
+        token = os.environ.get(auth.TOKEN_ENV, "").strip() if token is None else token
+        self.metadata = ((("application", application),) if application else ()) + ((auth.bearer(token),) if token else ())
         self.timeout_s = timeout_s
 
     def generate(self, prompt: str = "", **kwargs) -> pb.GenerateResponse:
