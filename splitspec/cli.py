@@ -66,6 +66,19 @@ def cmd_bench_drafter(args) -> int:
     return _write_report(args, report)
 
 
+def cmd_bench_batching(args) -> int:
+    from services.loading import set_num_threads
+    from splitspec import bench_batching
+
+    set_num_threads(args.threads)
+    report = bench_batching.run([int(n) for n in args.sessions.split(",")], repeats=args.repeats)
+    bench_batching.print_report(report)
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+        print(f"wrote {args.json}")
+    return 0
+
+
 def _write_report(args, report: dict, plot=None) -> int:
     """Write the benchmark report as JSON (and its ``plot`` as a PNG) if asked; fail the run if any output differed
     from the target alone."""
@@ -354,6 +367,12 @@ def build_parser() -> argparse.ArgumentParser:
     drafter.add_argument("--drafter", choices=["model", "eagle"], help="default: eagle when the drafter folder has a head")
     drafter.add_argument("--json", help="also write the report as JSON here")
     drafter.set_defaults(fn=cmd_bench_drafter)
+    batching = bench.add_parser("batching", help="each engine's calls for B sessions one by one vs in one batched pass")
+    batching.add_argument("--sessions", default="1,4,8,16", help="session counts, comma separated")
+    batching.add_argument("--repeats", type=int, default=8, help="rounds per count (after one warm-up round)")
+    batching.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    batching.add_argument("--json", help="also write the report as JSON here")
+    batching.set_defaults(fn=cmd_bench_batching)
     grpc_bench = bench.add_parser("grpc", help="tokens/s through the gRPC service, speculation on vs off")
     _service_args(grpc_bench, prompts=8)
     grpc_bench.add_argument("--plot", help="also write a PNG bar chart of the policies here")

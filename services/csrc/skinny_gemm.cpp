@@ -75,9 +75,13 @@ void stream_rows(const float* x, const float* w, float* y, int64_t in, int64_t o
   }
 }
 
-// y[m0 .. m0+MB, o0 .. o0+NO] for NO <= kTileOut weight rows and MB <= kBlockRows x rows.
+// y[m0 .. m0+MB, o0 .. o0+NO] for NO <= kTileOut weight rows and MB <= kBlockRows x rows. With ``prefetch`` (the
+// next tile's first weight row, on the tile's first block of x rows), the next kTileOut weight rows are fetched
+// from memory while this block computes: the weights stream from DRAM behind the arithmetic instead of stalling
+// it at every tile. Prefetching changes no arithmetic.
 template <int NO, int MB>
-inline void micro(const float* x, const float* w, float* y, int64_t in, int64_t out, int64_t m0, int64_t o0) {
+inline void micro(const float* x, const float* w, float* y, int64_t in, int64_t out, int64_t m0, int64_t o0,
+                  const float* prefetch = nullptr) {
   Vec acc[NO][MB];
   for (int n = 0; n < NO; ++n)
     for (int m = 0; m < MB; ++m) acc[n][m] = vzero();
@@ -86,6 +90,9 @@ inline void micro(const float* x, const float* w, float* y, int64_t in, int64_t 
   const float* xr = x + m0 * in;
   int64_t i = 0;
   for (; i + kLanes <= in; i += kLanes) {
+    if (prefetch != nullptr) {
+      for (int n = 0; n < kTileOut; ++n) _mm_prefetch(reinterpret_cast<const char*>(prefetch + n * in + i), _MM_HINT_T0);
+    }
     Vec wv[NO];
     for (int n = 0; n < NO; ++n) wv[n] = vload(wr[n] + i);
     for (int m = 0; m < MB; ++m) {
@@ -103,8 +110,10 @@ inline void micro(const float* x, const float* w, float* y, int64_t in, int64_t 
 
 template <int NO>
 inline void tile(const float* x, const float* w, float* y, int64_t rows, int64_t in, int64_t out, int64_t o0) {
+  // the next full tile's weight rows, fetched during this tile's first block of x rows
+  const float* next = (o0 + 2 * kTileOut <= out && rows >= kBlockRows) ? w + (o0 + kTileOut) * in : nullptr;
   int64_t m0 = 0;
-  for (; m0 + kBlockRows <= rows; m0 += kBlockRows) micro<NO, kBlockRows>(x, w, y, in, out, m0, o0);
+  for (; m0 + kBlockRows <= rows; m0 += kBlockRows) micro<NO, kBlockRows>(x, w, y, in, out, m0, o0, m0 == 0 ? next : nullptr);
   switch (rows - m0) {  // the last, partial block of x rows
     case 0: break;
     case 1: micro<NO, 1>(x, w, y, in, out, m0, o0); break;
