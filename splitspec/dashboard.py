@@ -98,7 +98,7 @@ PANELS = [
     )),
     Panel("Requests without speculation", "short", (
         ("draft stage failed (fallback)", f"sum(increase(ray_splitspec_drafter_fallbacks_total{{{APP}}}[5m])) or vector(0)"),
-        ("declined: {{reason}}", f"sum by (reason) (increase(ray_splitspec_speculation_declined_total{{{APP}}}[5m]))"),
+        ("declined: {{reason}}", f"sum by (reason) (increase(ray_splitspec_speculation_declined_total{{{APP}}}[5m])) or vector(0)"),
     ), "Requests that lost speculation because the draft stage failed (they still get the target's answer), and "
        "adaptive requests served without a drafter: speculation had not paid on earlier requests (cost) or the "
        "ingress was overloaded (load)."),

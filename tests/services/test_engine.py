@@ -49,9 +49,15 @@ def test_seed_reproduces_sampled_output(tiny_engines):
 
 def test_finish_reasons_and_budget(tiny_engines):
     prefill, draft, verify = tiny_engines
-    result = generate(prefill, draft, verify, PROMPTS[0], max_new_tokens=5, num_draft_tokens=4, params=SamplingParams())
-    assert len(result.token_ids) <= 5
-    assert result.finish_reason in ("stop", FINISH_LENGTH)
+    target = prefill.target
+    for budget in (5, 64):
+        result = generate(prefill, draft, verify, PROMPTS[0], max_new_tokens=budget, num_draft_tokens=4, params=SamplingParams())
+        reference = greedy_reference(target.model, PROMPTS[0], budget)
+        eos = next((i for i, t in enumerate(reference) if t in target.eos_token_ids), None)
+        if eos is None:  # the budget ran out first
+            assert (result.finish_reason, result.token_ids) == (FINISH_LENGTH, reference)
+        else:  # the answer ends at its first EOS, which it includes
+            assert (result.finish_reason, result.token_ids) == ("stop", reference[: eos + 1])
 
 
 def test_kv_payload_round_trip(tiny):

@@ -121,10 +121,12 @@ def test_equal_distributions_always_accept():
 
 
 def test_seed_reproduces_samples():
+    """A seed gives the same draws every time; different seeds give different ones (so the seed is used)."""
     params = SamplingParams(temperature=1.0, seed=42)
-    probs = logits_to_probs(torch.randn(1, 50), params)
-    a = [int(sample(probs, make_generator(42, 1))[0]) for _ in range(5)]
-    assert len(set(a)) == 1
+    probs = logits_to_probs(torch.zeros(1, 50), params)  # uniform: every seed's draw is as likely
+    draws = lambda seed: [int(sample(probs, gen)[0]) for gen in [make_generator(seed, 1)] for _ in range(8)]  # noqa: E731
+    assert draws(42) == draws(42)
+    assert len({tuple(draws(seed)) for seed in range(10)}) == 10
 
 
 @pytest.mark.parametrize("temperature,top_k,top_p", [(0.7, 0, 1.0), (1.0, 5, 1.0), (1.2, 0, 0.8), (0.9, 8, 0.9)])
