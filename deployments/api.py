@@ -54,6 +54,7 @@ def parse(request, config: AppConfig, tokenizer, *, max_context: int, vocab_size
     request_id = request.request_id or uuid.uuid4().hex
     if len(request_id) > MAX_REQUEST_ID_CHARS:
         raise InvalidRequestError(f"request_id is longer than {MAX_REQUEST_ID_CHARS} characters")
+    check_size(request, config)
     messages = [(m.role, m.content) for m in request.messages]
     prompt_ids = validate_prompt(
         encode_prompt(tokenizer, request.prompt, messages), max_context=max_context, vocab_size=vocab_size
@@ -85,13 +86,25 @@ def parse(request, config: AppConfig, tokenizer, *, max_context: int, vocab_size
         prompt_ids=prompt_ids,
         params=params,
         max_new_tokens=max_new_tokens,
-        stop=validate_stop(request.stop),
+        stop=validate_stop(request.stop, max_chars=config.limits.max_stop_chars),
         speculate=speculate,
         num_draft_tokens=int(k),
         drafter=drafter,
         adaptive=adaptive,
         overlap=policy.overlap if policy.HasField("overlap") else defaults.overlap,
     )
+
+
+def check_size(request, config: AppConfig) -> None:
+    """Refuse oversized text before any work on it (tokenising a megabyte would hold the ingress' tokenizer)."""
+    limits = config.limits
+    if len(request.messages) > limits.max_messages:
+        raise InvalidRequestError(f"the request has {len(request.messages)} chat messages, the server's limit is "
+                                  f"{limits.max_messages}")
+    chars = len(request.prompt) + sum(len(m.role) + len(m.content) for m in request.messages)
+    if chars > limits.max_prompt_chars:
+        raise InvalidRequestError(f"the prompt is {chars} characters, the server's limit is {limits.max_prompt_chars}: "
+                                  "shorten the prompt")
 
 
 def speculation_stats(plan: Plan) -> pb.SpeculationStats:

@@ -87,6 +87,12 @@ class Auth(_Strict):
 
 class Limits(_Strict):
     max_new_tokens: int = Field(512, ge=1, description="largest max_new_tokens a request may ask for")
+    max_prompt_chars: int = Field(
+        65536, ge=1, description="characters of a request's prompt, or of all its chat messages together; a longer one "
+        "is INVALID_ARGUMENT before any tokenising (the model's context bounds the tokens)",
+    )
+    max_messages: int = Field(256, ge=1, description="chat messages one request may carry")
+    max_stop_chars: int = Field(256, ge=1, description="characters of one stop sequence (at most 8 of them)")
     default_max_new_tokens: int = Field(128, ge=1, description="max_new_tokens when a request leaves it unset")
     max_sessions: int = Field(64, ge=1, description="open sessions per draft / verify replica")
     max_kv_bytes: int = Field(4 * 2**30, ge=1, description="KV bytes per draft / verify replica")

@@ -34,12 +34,14 @@ def encode_prompt(tokenizer, prompt: str, messages: Sequence[tuple[str, str]]) -
     return [int(t) for t in tokenizer(prompt)["input_ids"]]
 
 
-def validate_stop(stop: Sequence[str]) -> list[str]:
+def validate_stop(stop: Sequence[str], max_chars: int | None = None) -> list[str]:
     stop = list(stop)
     if len(stop) > MAX_STOP_SEQUENCES:
         raise InvalidRequestError(f"at most {MAX_STOP_SEQUENCES} stop sequences are allowed, got {len(stop)}")
     if any(not s for s in stop):
         raise InvalidRequestError("stop sequences must not be empty strings")
+    if max_chars is not None and (longest := max(map(len, stop), default=0)) > max_chars:
+        raise InvalidRequestError(f"stop sequences must be at most {max_chars} characters, got one of {longest}")
     return stop
 
 

@@ -27,11 +27,14 @@ LOCAL_HOST = "127.0.0.1"
 NODE_CPUS = 8  # logical CPUs per local node: replicas reserve 0; real cores are set by each stage's threads
 OBJECT_STORE_BYTES = 512 * 2**20
 APP_POLL_S = 0.5
+MAX_GRPC_MESSAGE_BYTES = 4 * 2**20  # gRPC's own default: a larger request is RESOURCE_EXHAUSTED at the proxy
 
 
 def ray_env() -> None:
     """Set what every Ray process we start must inherit (Ray 2.60 mixes token auth between nodes otherwise)."""
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    # Serve's gRPC proxy takes messages up to 2 GiB by default: one call could make it hold gigabytes
+    os.environ.setdefault("RAY_SERVE_GRPC_MAX_MESSAGE_SIZE", str(MAX_GRPC_MESSAGE_BYTES))
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 

@@ -8,17 +8,9 @@ from services.errors import InvalidRequestError, SessionNotFoundError
 from services.models import eagle
 from services.models.tiny import TINY_VOCAB_SIZE
 from services.prefill import PrefillEngine
-from services.sampling import SamplingParams
+from tests.services.test_batched_verify import PARAMS  # greedy and seeded sampled, each its own parameters
 
 PROMPTS = [[1, 5, 7, 9, 11], [1, 20], [1, 30, 31, 32, 30, 31], [2, 3], [1, 40, 41, 42, 43, 44, 45, 46], [1, 9, 9, 9]]
-PARAMS = [  # greedy and seeded sampled sessions in one batch, each with its own parameters and random stream
-    SamplingParams(),
-    SamplingParams(temperature=0.8, seed=1),
-    SamplingParams(),
-    SamplingParams(temperature=1.2, top_k=20, seed=2),
-    SamplingParams(temperature=0.7, top_p=0.9, seed=3),
-    SamplingParams(),
-]
 DRAFTERS = ["eagle", "model", "eagle", "model", "eagle", "prompt_lookup"]
 STEPS = 6
 

@@ -26,6 +26,16 @@ BAD = [
     (dict(prompt="hi", num_draft_tokens=17), "num_draft_tokens (k) must be"),
     (dict(prompt="hi", drafter="oracle"), "unknown drafter"),
     (dict(prompt="hi", stop=[""]), "stop sequences"),
+    # hostile input: each is refused with the limit named, before any model work
+    (dict(prompt="hi", temperature=float("nan")), "temperature must be a finite number"),
+    (dict(prompt="hi", temperature=float("inf")), "temperature must be a finite number"),
+    (dict(prompt="hi", top_p=float("nan")), "top_p must be in (0, 1]"),
+    (dict(prompt="hi", top_p=float("inf")), "top_p must be in (0, 1]"),
+    (dict(prompt="x" * 2**20), "the server's limit is 65536: shorten the prompt"),
+    (dict(messages=[("user", "y" * 2**20)]), "the server's limit is 65536: shorten the prompt"),
+    (dict(messages=[("user", "hi")] * 2000), "2000 chat messages, the server's limit is 256"),
+    (dict(prompt="hi", stop=["a"] * 1000), "at most 8 stop sequences"),
+    (dict(prompt="hi", stop=["z" * 10_000]), "at most 256 characters"),
 ]
 
 
@@ -47,6 +57,19 @@ def test_invalid_argument(client, kwargs, message, stream):
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert message in err.value.details()
     assert "Traceback" not in err.value.details() and "ray" not in err.value.details().lower()
+
+
+def test_garbage_bytes_and_oversized_messages_leave_the_service_serving(client):
+    """Bytes that are no GenerateRequest, and a message beyond gRPC's 4 MB limit, get an error status; then a good
+    request is served."""
+    garbage = client.channel.unary_unary("/splitspec.v1.SpecDecode/Generate")  # raw bytes in, raw bytes out
+    with pytest.raises(grpc.RpcError) as err:
+        garbage(b"\xff\xfe\x00 this is not a protobuf \x01\x02", timeout=60)
+    assert err.value.code() != grpc.StatusCode.OK
+    with pytest.raises(grpc.RpcError) as err:
+        client.generate(prompt="z" * (5 * 2**20))
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert client.generate(messages=OK_PROMPT, max_new_tokens=4).usage.completion_tokens > 0
 
 
 def test_good_request_after_bad_ones(client):
