@@ -113,6 +113,11 @@ class _Stage:
         return {"replica_id": _identity()[0], "sessions": sessions, "opened": self.opened, "kv_bytes": kv_bytes,
                 "passes": self.batcher.passes, "largest_pass": self.batcher.largest_pass}
 
+    def _batcher(self, run_pass: Callable, **options) -> ContinuousBatcher:
+        """Continuous batching of this replica's engine calls, each pass recorded in the batch histograms."""
+        return ContinuousBatcher(run_pass, max_rows=self.config.batch_rows(self.stage),
+                                 on_pass=lambda p: self.session_metrics.batched_pass(p.calls, p.rows), **options)
+
     async def _run(self, fn: Callable, *args):
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
@@ -137,8 +142,7 @@ class Prefill(_Stage):
         self.calls = itertools.count()
         # prompts that arrive while a pass runs are prefilled together in the next one (a prefill is never
         # followed by another call of its request: nothing to wait for after a pass)
-        self.batcher = ContinuousBatcher(self._prefill_pass, max_rows=self.config.batch_rows(self.stage), gather_max_s=0.0,
-                                         on_pass=lambda p: self.session_metrics.batched_pass(p.calls, p.rows))
+        self.batcher = self._batcher(self._prefill_pass, gather_max_s=0.0)
 
     async def _prefill_pass(self, calls: list[PrefillCall]) -> list:
         return await self._run(self.engine.prefill_batch, calls)
@@ -185,8 +189,7 @@ class Draft(_Stage):
         warm_up(self.engine.runner)
         # proposals of concurrent sessions draft in lockstep, one model pass per draft step for all of them; a
         # session calls again only after its verify step, so a pass does not wait for the sessions it answered
-        self.batcher = ContinuousBatcher(self._propose_pass, max_rows=self.config.batch_rows(self.stage), gather_max_s=0.0,
-                                         on_pass=lambda p: self.session_metrics.batched_pass(p.calls, p.rows))
+        self.batcher = self._batcher(self._propose_pass, gather_max_s=0.0)
 
     async def start(self, request_id: str, prompt_ids: list[int], params: SamplingParams, drafter: str,
                     handoff: KVHandoff | None = None) -> SessionOpened:
@@ -225,10 +228,7 @@ class Verify(_Stage):
             max_kv_bytes=self.config.limits.max_kv_bytes
         )
         warm_up(self.engine.runner)
-        self.batcher = ContinuousBatcher(
-            self._verify_pass, max_rows=self.config.batch_rows(self.stage),
-            on_pass=lambda p: self.session_metrics.batched_pass(p.calls, p.rows),
-        )
+        self.batcher = self._batcher(self._verify_pass)
 
     async def open(self, request_id: str, handoff: KVHandoff, params: SamplingParams, features: bool = False) -> SessionOpened:
         """``features``: each verdict carries the target's features of the accepted positions (feature drafters)."""

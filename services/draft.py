@@ -128,12 +128,7 @@ class ModelDraftSession:
 
     def _alone(self, steps):
         """Drive a generator of Forward chunks one forward pass at a time; its result."""
-        try:
-            chunk = next(steps)
-            while True:
-                chunk = steps.send(self.runner.forward(chunk.input_ids, chunk.cache, last_only=True))
-        except StopIteration as done:
-            return done.value
+        return eagle.drive(steps, lambda chunk: self.runner.forward(chunk.input_ids, chunk.cache, last_only=True))
 
     def pre_draft(self, k: int, forced: Sequence[int], guesses: int) -> DraftProposal:
         """A block of k after each likely verdict on ``forced`` (rolling the KV back to each branch point)."""
@@ -283,10 +278,10 @@ class DraftEngine:
         """Draft k tokens after the accepted context, or after ``forced`` tokens that follow it (taken as drafted);
         with ``guesses``, one block of k per likely verdict on the forced tokens instead (``DraftProposal.branches``).
         ``accepts``: the verdicts since the last proposal, each ``(n_matches, next_token, features)``, accepted first."""
-        session, forced = self._prepare(ProposeCall(request_id, k, forced, guesses, accepts))
-        proposal = session.pre_draft(k, forced, guesses) if guesses else session.propose(k, forced)
-        self.sessions.enforce_limits(keep=request_id)
-        return proposal
+        (result,) = self.propose_batch([ProposeCall(request_id, k, forced, guesses, accepts)])
+        if isinstance(result, Exception):
+            raise result
+        return result
 
     def propose_batch(self, calls: Sequence[ProposeCall]) -> list[DraftProposal | Exception]:
         """``propose`` for several sessions at once, each result (or typed error) in its call's slot.

@@ -470,10 +470,15 @@ def run_rows(batch: list[Rows]) -> list[torch.Tensor]:
 
 def run_alone(steps):
     """Drive a generator of ``Rows`` (a session's drafting, services.eagle_draft) one pass at a time; its result."""
+    return drive(steps, lambda rows: run_rows([rows])[0])
+
+
+def drive(steps, answer):
+    """Run a drafting generator alone: send each request it yields ``answer(request)``; return its result."""
     try:
-        rows = next(steps)
+        request = next(steps)
         while True:
-            rows = steps.send(run_rows([rows])[0])
+            request = steps.send(answer(request))
     except StopIteration as done:
         return done.value
 

@@ -5,31 +5,21 @@ import torch
 
 from services.draft import DraftEngine, ProposeCall
 from services.errors import InvalidRequestError, SessionNotFoundError
-from services.models import eagle
 from services.models.tiny import TINY_VOCAB_SIZE
 from services.prefill import PrefillEngine
 from tests.services.test_batched_verify import PARAMS  # greedy and seeded sampled, each its own parameters
+from tests.services.test_eagle_drafter import random_head
 
 PROMPTS = [[1, 5, 7, 9, 11], [1, 20], [1, 30, 31, 32, 30, 31], [2, 3], [1, 40, 41, 42, 43, 44, 45, 46], [1, 9, 9, 9]]
 DRAFTERS = ["eagle", "model", "eagle", "model", "eagle", "prompt_lookup"]
 STEPS = 6
 
 
-def _head(target):
-    torch.manual_seed(3)
-    kept = torch.sort(torch.randperm(TINY_VOCAB_SIZE)[:64]).values
-    head = eagle.EagleHead(target.model, eagle.EagleConfig(draft_vocab=64), kept, target.config.hidden_size)
-    with torch.no_grad():
-        for p in head.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-    return head.eval()
-
-
 @pytest.fixture(scope="module")
 def twins(tiny):
     """Two draft engines with the same models and the same sessions: one proposes alone, one in batches."""
     target, draft = tiny
-    head, prefill = _head(target), PrefillEngine(target)
+    head, prefill = random_head(target), PrefillEngine(target)
     engines = DraftEngine(draft, eagle_head=head), DraftEngine(draft, eagle_head=head)
     for i, (prompt, params, drafter) in enumerate(zip(PROMPTS, PARAMS, DRAFTERS)):
         features = prefill.prefill(prompt, params, features=True).features if drafter == "eagle" else None

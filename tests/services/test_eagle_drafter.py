@@ -21,17 +21,22 @@ KEPT = 64  # ids the head keeps, of the tiny vocabulary's 96
 DRAWS = 3000
 
 
-@pytest.fixture(scope="module")
-def engines(tiny):
-    """Prefill, a draft engine offering a random (untrained) EAGLE head over a pruned vocabulary, and verify."""
-    target, draft = tiny
+def random_head(target) -> eagle.EagleHead:
+    """A random (untrained) EAGLE head over a pruned vocabulary of the tiny target."""
     torch.manual_seed(3)
     kept = torch.sort(torch.randperm(TINY_VOCAB_SIZE)[:KEPT]).values
     head = eagle.EagleHead(target.model, eagle.EagleConfig(draft_vocab=KEPT), kept, target.config.hidden_size)
     with torch.no_grad():
         for p in head.parameters():
             p.add_(torch.randn_like(p) * 0.05)
-    return PrefillEngine(target), DraftEngine(draft, eagle_head=head.eval()), VerifyEngine(target)
+    return head.eval()
+
+
+@pytest.fixture(scope="module")
+def engines(tiny):
+    """Prefill, a draft engine offering a random (untrained) EAGLE head over a pruned vocabulary, and verify."""
+    target, draft = tiny
+    return PrefillEngine(target), DraftEngine(draft, eagle_head=random_head(target)), VerifyEngine(target)
 
 
 @pytest.mark.parametrize("k", [1, 3, 5])
