@@ -104,6 +104,17 @@ class Limits(_Strict):
     )
     stage_timeout_s: float = Field(120.0, gt=0, description="one stage call; slower means UNAVAILABLE")
     request_timeout_s: float = Field(600.0, gt=0, description="a whole request; longer means DEADLINE_EXCEEDED")
+    session_idle_s: float = Field(
+        660.0, gt=0, description="a draft / verify session without a call for longer is closed (its request is gone, e.g. "
+                                 "with a lost ingress replica); must exceed request_timeout_s"
+    )
+
+
+class Faults(_Strict):
+    """Test only: deterministic fault injection (tests/serving/test_faults.py). Leave off in production."""
+
+    enabled: bool = Field(False, description="stage replicas take arm_fault() calls: a later call exits the replica "
+                                             "process or holds until released (never set this in production)")
 
 
 class Models(_Strict):
@@ -126,6 +137,7 @@ class AppConfig(_Strict):
     limits: Limits = Field(default_factory=Limits)
     auth: Auth = Field(default_factory=Auth)
     stages: Stages = Field(default_factory=Stages)
+    faults: Faults = Field(default_factory=Faults)
     ingress_replicas: int = Field(1, ge=1, description="replicas of the ingress (the loop runs there)")
     ingress_placement: Placement = Field(default_factory=Placement, description="where the ingress may run (default: anywhere)")
     placement_timeout_s: float = Field(30.0, gt=0, description="how long a stage may stay unplaced before it is reported")
@@ -139,6 +151,9 @@ class AppConfig(_Strict):
             raise ValueError(f"speculation.drafter must be one of {list(DRAFTERS)}, got {self.speculation.drafter!r}")
         if self.limits.default_max_new_tokens > self.limits.max_new_tokens:
             raise ValueError("limits.default_max_new_tokens must not exceed limits.max_new_tokens")
+        if self.limits.session_idle_s <= self.limits.request_timeout_s:
+            raise ValueError("limits.session_idle_s must exceed limits.request_timeout_s (a live request's sessions "
+                             "would be closed)")
         if self.models.dtype not in DTYPES:
             raise ValueError(f"models.dtype must be float32, bfloat16 or float16, got {self.models.dtype!r}")
         for name in STAGES:

@@ -8,11 +8,13 @@ the Ray object store.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections import defaultdict, deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 
 import grpc
 import ray
@@ -33,6 +35,7 @@ from services.errors import CapacityError, SessionNotFoundError
 from services.loading import check_tokenizers, describe
 from services.loop import PRE_DRAFT_GUESSES, Calls, Results, SpeculativeLoop, StepOutput
 from services.policy import AcceptanceCounts, AdaptiveK, CostModel, RequestGate
+from services.sampling import SamplingParams
 from services.text import TextStream
 from splitspec.v1 import splitspec_pb2 as pb
 
@@ -43,6 +46,22 @@ PLACEMENT_CHECK_PERIOD_S = 2.0  # how often the ingress re-checks that every sta
 DRAFT_FAILURES = (StageUnavailableError, CapacityError, SessionNotFoundError, ray_exceptions.RayActorError,
                   ray_exceptions.ActorUnavailableError)
 RECENT_HANDOFFS = 64  # KV handoffs remembered for `recent_handoffs` (placement checks, debugging)
+# A stage replica that is gone (killed, OOM, node lost) or that lost the session (restarted): the ingress recovers.
+REPLICA_LOST = (SessionNotFoundError, ray_exceptions.RayActorError, ray_exceptions.ActorUnavailableError)
+MAX_RECOVERIES = 3  # replicas one request may lose and recover from; one more fails it with UNAVAILABLE
+RETRY_BACKOFF_S = (0.1, 2.0)  # first and longest wait between calls to a stage that has just lost a replica
+
+
+@dataclass
+class _Sessions:
+    """One request's draft and verify sessions as the ingress holds them; replaced when their replica is lost."""
+
+    features: bool  # the drafter reads the target's features: the verify session's verdicts carry them
+    draft: DeploymentHandle | None = None  # pinned to the replica that holds the draft session
+    verify: DeploymentHandle | None = None  # pinned to the replica that holds the verify session
+    tokens: list[int] = field(default_factory=list)  # every token emitted so far: the context after the prompt
+    recoveries: int = 0
+    draft_back: asyncio.Task | None = None  # after the draft stage was lost: resolves True once a draft replica answers
 
 
 class _Timer:
@@ -87,6 +106,7 @@ class SpecDecodeIngress:
         self.acceptance = defaultdict(AcceptanceCounts)
         self.gates = defaultdict(lambda: RequestGate(self.config.speculation.explore_every))  # per drafter
         self.active = 0  # requests between prefill and their last step on this replica (the adaptive policy's load)
+        self.recoveries: dict[str, int] = defaultdict(int)  # lost stage replicas recovered from, by stage
         self._check_placement()
         self._watchdog = asyncio.get_event_loop().create_task(self._watch_placement())
 
@@ -94,12 +114,11 @@ class SpecDecodeIngress:
 
     async def Generate(self, request: pb.GenerateRequest, grpc_context) -> pb.GenerateResponse:
         timer = _Timer()
+        deadline = time.monotonic() + self.config.limits.request_timeout_s
         try:
             self._authenticate(grpc_context)
             plan = await asyncio.get_running_loop().run_in_executor(self._tokenizing, self._plan, request)
-            text, token_ids, finish_reason = await asyncio.wait_for(
-                self._collect(plan, timer), timeout=self.config.limits.request_timeout_s
-            )
+            text, token_ids, finish_reason = await self._collect(plan, timer, deadline)
         except asyncio.CancelledError:
             self.metrics.finished("Generate", grpc.StatusCode.CANCELLED.name)
             raise
@@ -123,9 +142,7 @@ class SpecDecodeIngress:
             self._authenticate(grpc_context)
             plan = await asyncio.get_running_loop().run_in_executor(self._tokenizing, self._plan, request)
             completion = 0
-            async for step, token_ids, text in self._text_steps(plan, timer):
-                if time.monotonic() > deadline:
-                    raise RequestDeadlineError(f"the request ran past {self.config.limits.request_timeout_s}s")
+            async for step, token_ids, text in self._text_steps_before(deadline, plan, timer):
                 completion += len(token_ids)
                 chunk = pb.GenerateStreamResponse(
                     request_id=plan.request_id,
@@ -147,6 +164,12 @@ class SpecDecodeIngress:
         except Exception as exc:  # noqa: BLE001
             self._fail("GenerateStream", grpc_context, exc)
 
+    def _text_steps_before(self, deadline: float, plan: api.Plan, timer: _Timer) -> AsyncIterator:
+        """``_text_steps`` until ``deadline`` (time.monotonic()), also while a step is awaited: then the request's
+        sessions are closed and RequestDeadlineError is raised."""
+        return _before(deadline, self._text_steps(plan, timer), lambda: RequestDeadlineError(
+            f"the request ran past limits.request_timeout_s ({self.config.limits.request_timeout_s:g}s)"))
+
     # -- the loop ---------------------------------------------------------------------------------
 
     def _authenticate(self, grpc_context) -> None:
@@ -162,9 +185,9 @@ class SpecDecodeIngress:
         return api.parse(request, self.config, self.target.tokenizer, max_context=self.target.max_context,
                          vocab_size=self.target.vocab_size, drafters=self.drafters, default_drafter=self.default_drafter)
 
-    async def _collect(self, plan: api.Plan, timer: _Timer) -> tuple[str, list[int], str]:
+    async def _collect(self, plan: api.Plan, timer: _Timer, deadline: float) -> tuple[str, list[int], str]:
         text, token_ids, finish_reason = "", [], ""
-        async for step, ids, delta in self._text_steps(plan, timer):
+        async for step, ids, delta in self._text_steps_before(deadline, plan, timer):
             text, token_ids, finish_reason = text + delta, token_ids + ids, step.finish_reason or finish_reason
         return text, token_ids, finish_reason
 
@@ -195,9 +218,14 @@ class SpecDecodeIngress:
             await steps.aclose()  # closes the draft and verify sessions
 
     async def _speculative_decode(self, plan: api.Plan, timer: _Timer) -> AsyncIterator[StepOutput]:
-        """prefill, then services.loop's SpeculativeLoop over the draft and verify handles, one StepOutput per step."""
+        """prefill, then services.loop's SpeculativeLoop over the draft and verify handles, one StepOutput per step.
+
+        A lost prefill or verify replica is recovered from without the client noticing (``_reopen_verify``); a lost
+        draft replica turns speculation off until a draft replica answers again (``_restart_draft``).
+        """
         sid, params = plan.session_id, plan.params
-        started = draft = verify = None
+        started = None
+        s = _Sessions(features=plan.drafting and plan.drafter in FEATURE_DRAFTERS)
         self.active += 1
         try:
             if plan.speculate and plan.adaptive and not plan.overlap:  # where speculation does not pay: no drafter
@@ -207,13 +235,12 @@ class SpecDecodeIngress:
                     self.metrics.declined(why)
             # 1. prefill the target and, in parallel, start the draft session over the same prompt
             #    (a feature drafter starts once prefill has its prompt features; they go by reference)
-            features = plan.drafting and plan.drafter in FEATURE_DRAFTERS
-            prefilled = self.prefill.prefill.remote(plan.prompt_ids, params, features)
+            features = s.features = plan.drafting and plan.drafter in FEATURE_DRAFTERS
             if plan.drafting and "draft" in self.unplaceable:
                 self._fall_back(plan, StageUnavailableError(self.unplaceable["draft"]), "start")
             elif plan.drafting and not features:
                 started = self.draft.start.remote(sid, plan.prompt_ids, params, plan.drafter)
-            handoff = await self._call("prefill", prefilled)
+            handoff = await self._retrying(plan, "prefill", lambda: self.prefill.prefill.remote(plan.prompt_ids, params, features))
             timer.prefill_ms = timer.ms()
             if features and not plan.fallback:
                 started = self.draft.start.remote(sid, plan.prompt_ids, params, plan.drafter, handoff)
@@ -221,16 +248,17 @@ class SpecDecodeIngress:
             opening = self.verify.open.remote(sid, handoff, params, features)
             if started is not None:
                 try:
-                    draft = self.draft.options(session_id=pin((await self._call("draft", started)).replica_id))
+                    s.draft = self.draft.options(session_id=pin((await self._call("draft", started)).replica_id))
                 except Exception as exc:  # noqa: BLE001 - go on with the target alone
-                    self._fall_back(plan, exc, "start")
-            opened = await self._call("verify", opening)
-            verify = self.verify.options(session_id=pin(opened.replica_id))
+                    self._draft_lost(plan, s, exc, "start")
+                started = None
+            opened = await self._retrying(plan, "verify", lambda: self.verify.open.remote(sid, handoff, params, features),
+                                          first=opening)
+            s.verify = self.verify.options(session_id=pin(opened.replica_id))
             timer.kv_handoff_ms = opened.handoff_ms
             self.metrics.kv_handoff(opened.resolved_bytes, opened.handoff_ms / 1000)
             first_token = handoff.first_token
             self.handoffs.append({
-                "kv_held_as": type(handoff.kv_refs[0]).__name__,  # ObjectRef: the ingress never resolves it
                 "kv_bytes": handoff.kv_bytes,
                 "prefill_node": handoff.prefill_node,
                 "verify_node": opened.node_id,
@@ -241,32 +269,37 @@ class SpecDecodeIngress:
             timer.ttft_ms = timer.ms()
             policy = self._policy(plan) if plan.adaptive and plan.drafting else None
             loop = SpeculativeLoop(first_token, max_new_tokens=plan.max_new_tokens, eos=self.target.eos_token_ids,
-                                   num_draft_tokens=plan.num_draft_tokens, drafting=draft is not None and not plan.fallback,
+                                   num_draft_tokens=plan.num_draft_tokens, drafting=s.draft is not None and not plan.fallback,
                                    policy=policy, overlap=plan.overlap, guesses=PRE_DRAFT_GUESSES[plan.drafter],
                                    stats=plan.stats)
             results = None
             while (item := loop.advance(results)) is not None:
                 if isinstance(item, StepOutput):
+                    s.tokens += item.token_ids
                     yield item
                     results = None
+                    if s.draft_back is not None and s.draft_back.done():  # a draft replica is back: draft again
+                        await self._restart_draft(plan, s, loop)
                 else:  # 3.-5. draft, verify, accept (concurrently when pre-drafting)
-                    results = await self._execute(item, plan, draft, verify)
+                    results = await self._execute(item, plan, s)
         finally:
             self.active -= 1
             # close both sessions without waiting (also when the client went away)
-            if verify is not None:
-                verify.close.remote(sid)
-            if draft is not None:
-                draft.close.remote(sid)
+            if s.verify is not None:
+                s.verify.close.remote(sid)
+            if s.draft is not None:
+                s.draft.close.remote(sid)
             elif started is not None:
                 self._close_when_started(sid, started)
+            if s.draft_back is not None:
+                s.draft_back.cancel()
 
     def _policy(self, plan: api.Plan) -> AdaptiveK:
         """A request's adaptive k, on this replica's measured costs and its drafter's acceptance so far."""
         return AdaptiveK(self.costs[plan.drafter], self.acceptance[plan.drafter], k_max=plan.num_draft_tokens,
                          load=lambda: self.active, max_load=self.config.speculation.off_above_concurrency)
 
-    async def _execute(self, calls: Calls, plan: api.Plan, draft, verify) -> Results:
+    async def _execute(self, calls: Calls, plan: api.Plan, s: _Sessions) -> Results:
         """Run one round of the loop's stage calls (both at once when it pre-drafts) and time each."""
         results, sid = Results(), plan.session_id
 
@@ -274,17 +307,24 @@ class SpecDecodeIngress:
             start = time.perf_counter()
             p = calls.propose
             try:
-                results.proposal = await self._call("draft", draft.propose.remote(sid, p.k, p.accepts, p.forced, p.guesses))
+                results.proposal = await self._call("draft", s.draft.propose.remote(sid, p.k, p.accepts, p.forced, p.guesses))
                 results.propose_s = time.perf_counter() - start
             except Exception as exc:  # noqa: BLE001 - go on with the target alone
-                self._fall_back(plan, exc, "propose")
+                self._draft_lost(plan, s, exc, "propose")
                 results.draft_failed = True
 
         async def verify_():
-            start = time.perf_counter()
-            request = verify.verify.remote(sid, calls.verify.draft_ids, calls.verify.probs)
-            results.verdict = await self._call("verify", request)
-            results.verify_s = time.perf_counter() - start
+            while True:
+                start = time.perf_counter()
+                try:
+                    results.verdict = await self._call("verify", s.verify.verify.remote(sid, calls.verify.draft_ids,
+                                                                                        calls.verify.probs))
+                    results.verify_s = time.perf_counter() - start
+                    return
+                except Exception as exc:  # noqa: BLE001 - a lost replica is recovered from; anything else is raised
+                    if not isinstance(unwrap(exc), REPLICA_LOST):
+                        raise
+                    await self._reopen_verify(plan, s, exc)  # then verify the same block again
 
         # both calls end before an error of either is raised: none outlives its request (or its session's close)
         outcomes = await asyncio.gather(*([propose()] if calls.propose else []), *([verify_()] if calls.verify else []),
@@ -293,6 +333,95 @@ class SpecDecodeIngress:
             if isinstance(outcome, BaseException):
                 raise outcome
         return results
+
+    # -- recovery from lost replicas ------------------------------------------------------------
+
+    async def _retrying(self, plan: api.Plan, stage: str, make_call: Callable, first=None):
+        """The result of a stage call (``first``, else ``make_call()``); while its replica is lost, call again (Serve
+        routes the call to a live replica or waits for the replacement) until ``stage_timeout_s`` after the loss."""
+        delay, give_up = RETRY_BACKOFF_S[0], None
+        while True:
+            try:
+                return await self._call(stage, first if first is not None else make_call())
+            except Exception as exc:  # noqa: BLE001 - only a lost replica is retried
+                first = None
+                if not isinstance(unwrap(exc), REPLICA_LOST):
+                    raise
+                if give_up is None:
+                    self._lost(plan, stage, exc)
+                    give_up = time.monotonic() + self.config.limits.stage_timeout_s
+                if time.monotonic() > give_up:
+                    raise StageUnavailableError(f"stage {stage!r} lost its replica and no other answered within "
+                                                f"{self.config.limits.stage_timeout_s:g}s") from exc
+                await asyncio.sleep(delay)
+                delay = min(2 * delay, RETRY_BACKOFF_S[1])
+
+    def _lost(self, plan: api.Plan, stage: str, exc: BaseException, s: _Sessions | None = None) -> None:
+        """Log a lost replica once and count the recovery; a request that has lost too many fails (UNAVAILABLE)."""
+        if s is not None:
+            s.recoveries += 1
+            if s.recoveries > MAX_RECOVERIES:
+                raise StageUnavailableError(f"the request lost {MAX_RECOVERIES} stage replicas; retry it") from exc
+        logger.warning("request %s: %s replica lost (%s: %s); recovering", plan.request_id, stage,
+                       type(unwrap(exc)).__name__, unwrap(exc))
+        self.metrics.recovery(stage)
+        self.recoveries[stage] += 1
+
+    async def _reopen_verify(self, plan: api.Plan, s: _Sessions, exc: BaseException) -> None:
+        """The verify session's replica is gone: prefill the prompt and every emitted token but the last on a live
+        prefill replica, and open the session again on a live verify replica, pending that last token — the state it
+        had before the failed call."""
+        self._lost(plan, "verify", exc, s)
+        sid, ids = plan.session_id, plan.prompt_ids + s.tokens[:-1]
+        params = _reseeded(plan.params, len(s.tokens))
+        handoff = await self._retrying(plan, "prefill", lambda: self.prefill.prefill.remote(ids, params, False))
+        handoff = dataclasses.replace(handoff, first_token=s.tokens[-1])  # (prefill's own next token is not used)
+        opened = await self._retrying(plan, "verify", lambda: self.verify.open.remote(sid, handoff, params, s.features))
+        s.verify = self.verify.options(session_id=pin(opened.replica_id))
+
+    def _draft_lost(self, plan: api.Plan, s: _Sessions, exc: BaseException, when: str) -> None:
+        """Go on with the target alone after a draft-stage failure; if the replica was lost, watch for a live one."""
+        self._fall_back(plan, exc, when)
+        if isinstance(unwrap(exc), REPLICA_LOST) and s.draft_back is None and s.recoveries < MAX_RECOVERIES:
+            s.draft_back = asyncio.ensure_future(self._draft_replica_answers())
+
+    async def _draft_replica_answers(self) -> bool:
+        """True once a draft replica answers a call (within stage_timeout_s), False if none does."""
+        delay, give_up = RETRY_BACKOFF_S[0], time.monotonic() + self.config.limits.stage_timeout_s
+        while time.monotonic() < give_up:
+            try:
+                await self._call("draft", self.draft.stats.remote())
+                self.recoveries["draft_replica_answered"] += 1
+                return True
+            except Exception:  # noqa: BLE001 - the lost replica, or none yet: ask again
+                await asyncio.sleep(delay)
+                delay = min(2 * delay, RETRY_BACKOFF_S[1])
+        return False
+
+    async def _restart_draft(self, plan: api.Plan, s: _Sessions, loop: SpeculativeLoop) -> None:
+        """Open a fresh draft session over the prompt and every emitted token but the last, and draft again."""
+        back, s.draft_back = s.draft_back.result(), None
+        if not back:
+            return
+        sid, ids = plan.session_id, plan.prompt_ids + s.tokens[:-1]
+        params = _reseeded(plan.params, len(s.tokens))
+        s.recoveries += 1  # (the loss was logged when the request fell back)
+        self.metrics.recovery("draft")
+        self.recoveries["draft"] += 1
+        try:
+            handoff = None
+            if s.features:  # the drafter needs the target's features of all those tokens
+                handoff = await self._retrying(plan, "prefill", lambda: self.prefill.prefill.remote(ids, params, True))
+            opened = await self._call("draft", self.draft.start.remote(sid, ids, params, plan.drafter, handoff))
+        except Exception as exc:  # noqa: BLE001 - stay with the target alone
+            if not isinstance(unwrap(exc), DRAFT_FAILURES + REPLICA_LOST):
+                raise
+            logger.warning("request %s: the draft stage is still failing (%s); going on without speculation",
+                           plan.request_id, unwrap(exc))
+            return
+        s.draft = self.draft.options(session_id=pin(opened.replica_id))
+        loop.resume_drafting()
+        logger.info("request %s: speculation resumed on a draft replica after %d tokens", plan.request_id, len(s.tokens))
 
     async def _call(self, stage: str, response):
         """Await a stage call; a stage that does not answer in time is UNAVAILABLE, not a hang."""
@@ -365,13 +494,46 @@ class SpecDecodeIngress:
             }
         return state
 
+    async def recovery_counts(self) -> dict[str, int]:
+        """Lost stage replicas this ingress replica has recovered from, by stage; ``draft_replica_answered``: times a
+        request that lost its draft replica found a live one (it drafts again from its next step)."""
+        return dict(self.recoveries)
+
     async def recent_handoffs(self) -> list[dict]:
         """Where the last KV handoffs went: prefill node, verify node, bytes, and what the ingress held."""
         return list(self.handoffs)
 
 
+def _reseeded(params: SamplingParams, emitted: int) -> SamplingParams:
+    """The params of a session reopened after ``emitted`` tokens: a seeded request gets a fresh, still reproducible
+    random stream (replaying the first stream's draws would tie the new tokens to the old ones)."""
+    if params.seed is None:
+        return params
+    return dataclasses.replace(params, seed=(params.seed * 1_000_003 + emitted) % (2**63))
+
+
 async def _awaited(response):
     return await response
+
+
+async def _before(deadline: float, items: AsyncIterator, error: Callable[[], Exception]) -> AsyncIterator:
+    """The items that come before ``deadline`` (time.monotonic()); then ``error()`` is raised, also while an item is
+    awaited (``items`` is then closed: its cleanup runs)."""
+    try:
+        while True:
+            timeout = asyncio.timeout(max(0.0, deadline - time.monotonic()))  # (no task per item)
+            try:
+                async with timeout:
+                    item = await anext(items)
+            except StopAsyncIteration:
+                return
+            except TimeoutError:
+                if timeout.expired():
+                    raise error() from None
+                raise
+            yield item
+    finally:
+        await items.aclose()
 
 
 async def _enumerate(items):

@@ -45,6 +45,8 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "splitspec_pre_draft_hits": ("counter", "Pre-drafts whose guess was right: the next block was ready with the verdict.", ()),
     "splitspec_kv_handoff_bytes": ("counter", "Bytes of prefill KV handed to verifiers through the object store.", ()),
     "splitspec_drafter_fallbacks": ("counter", "Requests whose speculation was turned off because the draft stage failed.", ("reason",)),
+    "splitspec_recoveries": ("counter", "Stage replicas a request lost (killed, OOM, node gone) and recovered from, by stage: "
+                             "prefill / verify retried or reopened on a live replica, draft resumed.", ("stage",)),
     "splitspec_speculation_declined": ("counter", "Adaptive requests served without a drafter, by reason: speculation had not "
                                        "paid on earlier requests (cost) or the ingress was overloaded (load).", ("reason",)),
     "splitspec_time_to_first_token_seconds": ("histogram", "Request received -> first token ready.", ()),
@@ -135,6 +137,9 @@ class RequestMetrics:
 
     def fallback(self, reason: str) -> None:
         self.m.inc("splitspec_drafter_fallbacks", reason=reason)
+
+    def recovery(self, stage: str) -> None:
+        self.m.inc("splitspec_recoveries", stage=stage)
 
     def declined(self, reason: str) -> None:
         self.m.inc("splitspec_speculation_declined", reason=reason)

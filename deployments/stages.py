@@ -25,6 +25,7 @@ from ray import serve
 
 from deployments.batching import ContinuousBatcher
 from deployments.config import AppConfig
+from deployments.faults import FaultPoints
 from deployments.metrics import SessionMetrics
 from services import eagle_draft
 from services.draft import DraftEngine, DraftProposal, ProposeCall
@@ -91,6 +92,7 @@ class _Stage:
     """One engine, one worker thread."""
 
     stage = ""
+    fault_methods: tuple[str, ...] = ()  # where deployments.faults may strike (tests only)
 
     def __init__(self, config: dict):
         self.config = AppConfig.model_validate(config)
@@ -98,6 +100,7 @@ class _Stage:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"splitspec-{self.stage}")
         self.opened = 0  # sessions opened on this replica
         self.session_metrics = SessionMetrics(self.stage)  # batched passes (every stage); sessions (draft, verify)
+        self.faults = FaultPoints(self.config.faults.enabled, self.fault_methods)
         if self.stage != "prefill":  # draft and verify hold sessions
             self._reporter = asyncio.get_event_loop().create_task(self._report_sessions())
 
@@ -111,7 +114,16 @@ class _Stage:
         the most sessions' calls one of them took."""
         sessions, kv_bytes = await self._run(self._session_counts)
         return {"replica_id": _identity()[0], "sessions": sessions, "opened": self.opened, "kv_bytes": kv_bytes,
-                "passes": self.batcher.passes, "largest_pass": self.batcher.largest_pass}
+                "passes": self.batcher.passes, "largest_pass": self.batcher.largest_pass, "held": self.faults.held}
+
+    async def arm_fault(self, method: str, action: str, after: int = 0) -> str:
+        """Tests only (faults.enabled): this replica's call of ``method`` number ``after + 1`` exits the process or
+        holds (deployments.faults). Returns the replica's actor name, for ``ray.get_actor(name, namespace="serve")``."""
+        self.faults.arm(method, action, after)
+        return serve.get_replica_context().replica_id.to_full_id_str()
+
+    async def release_fault(self) -> None:
+        self.faults.release()
 
     def _batcher(self, run_pass: Callable, **options) -> ContinuousBatcher:
         """Continuous batching of this replica's engine calls, each pass recorded in the batch histograms."""
@@ -122,9 +134,12 @@ class _Stage:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
     async def _report_sessions(self) -> None:
-        """Refresh the session gauges periodically: Ray drops a gauge that is not re-set within two report intervals."""
+        """Refresh the session gauges periodically (Ray drops a gauge that is not re-set within two report
+        intervals), and close the sessions of requests that are gone (limits.session_idle_s)."""
         while True:
-            if getattr(self, "engine", None) is not None:
+            if getattr(self, "batcher", None) is not None:  # (set last in the constructor)
+                for request_id in await self._run(self.engine.sessions.reap, self.config.limits.session_idle_s):
+                    self.batcher.forget(request_id)
                 self.session_metrics.update(*await self._run(self._session_counts))
             await asyncio.sleep(GAUGE_PERIOD_S)
 
@@ -134,6 +149,7 @@ class Prefill(_Stage):
     """Stateless prefill of the target; the KV goes into the object store, its reference comes back."""
 
     stage = "prefill"
+    fault_methods = ("prefill",)
 
     def __init__(self, config: dict):
         super().__init__(config)
@@ -149,6 +165,7 @@ class Prefill(_Stage):
 
     async def prefill(self, prompt_ids: list[int], params: SamplingParams, features: bool = False) -> KVHandoff:
         """``features``: also put the prompt's target features (for a feature drafter) in the object store."""
+        await self.faults.point("prefill")
         call = PrefillCall(list(prompt_ids), params, features, request_id=str(next(self.calls)),
                            chunk=self.config.limits.prefill_chunk_tokens)
         try:
@@ -171,6 +188,7 @@ class Draft(_Stage):
     """Draft sessions (draft model, EAGLE head or prompt lookup), pinned to this replica."""
 
     stage = "draft"
+    fault_methods = ("start", "propose")
 
     def __init__(self, config: dict):
         super().__init__(config)
@@ -194,6 +212,7 @@ class Draft(_Stage):
     async def start(self, request_id: str, prompt_ids: list[int], params: SamplingParams, drafter: str,
                     handoff: KVHandoff | None = None) -> SessionOpened:
         """Open a session; a feature drafter resolves the prompt's features from the prefill's ``handoff`` here."""
+        await self.faults.point("start")
         features = await handoff.feature_refs[0] if handoff is not None and handoff.feature_refs else None
         await self._run(self.engine.start, request_id, prompt_ids, params, drafter, features)
         self.opened += 1
@@ -204,6 +223,7 @@ class Draft(_Stage):
         """Accept the verdicts since the last proposal (each ``(n_matches, next_token, features)``), then draft k tokens
         after ``forced`` ones — with ``guesses``, a block of k per likely verdict on them (the block the verifier is
         checking meanwhile: pre-drafting, services.loop)."""
+        await self.faults.point("propose")
         return await self.batcher.submit(ProposeCall(request_id, k, list(forced), guesses, list(accepts)))
 
     async def _propose_pass(self, calls: list[ProposeCall]) -> list:
@@ -220,6 +240,7 @@ class Verify(_Stage):
     """Verify sessions of the target, opened from a prefill's KV reference and pinned to this replica."""
 
     stage = "verify"
+    fault_methods = ("open", "verify")
 
     def __init__(self, config: dict):
         super().__init__(config)
@@ -232,6 +253,7 @@ class Verify(_Stage):
 
     async def open(self, request_id: str, handoff: KVHandoff, params: SamplingParams, features: bool = False) -> SessionOpened:
         """``features``: each verdict carries the target's features of the accepted positions (feature drafters)."""
+        await self.faults.point("open")
         (ref,) = handoff.kv_refs
         payload = await ref  # resolved here, in the verifier: the ingress only ever held the reference
         handoff_ms = (time.time() - handoff.put_at) * 1000
@@ -241,6 +263,7 @@ class Verify(_Stage):
 
     async def verify(self, request_id: str, draft_ids: list[int], draft_probs=None) -> VerifyResult:
         """Joins the next target pass with the other sessions' verify calls (continuous batching)."""
+        await self.faults.point("verify")
         return await self.batcher.submit(VerifyCall(request_id, list(draft_ids), draft_probs))
 
     async def _verify_pass(self, calls: list[VerifyCall]) -> list:

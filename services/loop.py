@@ -173,6 +173,12 @@ class SpeculativeLoop:
         self.guesses = guesses  # top guesses of the target's next token that a pre-draft drafts a block after
         self.stats = stats if stats is not None else SpeculationStats()  # filled as the loop runs
         self._steps = None
+        self._resume = False
+
+    def resume_drafting(self) -> None:
+        """Draft again from the next step, after a draft-stage failure turned drafting off: the driver has opened a
+        fresh draft session over the prompt and every emitted token but the last (which the drafter continues from)."""
+        self._resume = True
 
     def advance(self, results: Results | None = None) -> StepOutput | Calls | None:
         """The next thing to emit or to call, given the results of the last calls; None once the request is done."""
@@ -194,6 +200,9 @@ class SpeculativeLoop:
             yield step
             if step.finish_reason:
                 return
+            if self._resume and not self.drafting:  # a fresh draft session: it continues from the last token
+                self.drafting, accepts, block, block_probs, caught_up = True, [Accept(0, step.token_ids[-1])], [], None, False
+            self._resume = False
             remaining = self.max_new_tokens - generated
             now = time.perf_counter()
             if self.policy is not None and calls_s is not None:  # the last step's wall time beyond its stage calls

@@ -210,10 +210,14 @@ def cmd_generate(args) -> int:
         kwargs["prompt"] = args.prompt
     else:
         kwargs["messages"] = [("user", args.prompt)]
-    with SpecDecodeClient(args.address, application=args.app_name, token=args.token) as client:
+    def say_retry(exc, attempt, delay_s):
+        print(f"{exc.code().name}: {exc.details()}; retrying in {delay_s:.1f}s ({attempt} of {client.retries})",
+              file=sys.stderr)
+
+    with SpecDecodeClient(args.address, application=args.app_name, token=args.token, on_retry=say_retry) as client:
         try:
             last = None
-            for chunk in client.stream(**kwargs):
+            for chunk in client.stream_retrying(**kwargs):
                 sys.stdout.write(chunk.text)
                 sys.stdout.flush()
                 last = chunk

@@ -2,14 +2,28 @@
 
 from __future__ import annotations
 
+import logging
 import os
-from collections.abc import Iterator, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
 
 import grpc
 
 from deployments import auth
 from splitspec.v1 import splitspec_pb2 as pb
 from splitspec.v1 import splitspec_pb2_grpc as pb_grpc
+
+logger = logging.getLogger(__name__)
+
+# A call that finds no ingress replica (UNAVAILABLE: the service is starting or replacing one) or loses its ingress
+# replica mid-call is sent again, up to RETRIES times, waiting RETRY_BACKOFF_S[0], doubling, at most
+# RETRY_BACKOFF_S[1] between tries (about 23 s in all).
+RETRIES = 5
+RETRY_BACKOFF_S = (0.5, 8.0)
+# Ray 2.60's gRPC proxy reports an ingress replica that died during the call as INTERNAL with Ray's actor-death
+# message (ray/serve/_private/grpc_util.py maps RayActorError to INTERNAL); splitspec's own INTERNAL errors say
+# "internal error (reference ...)" and are not retried.
+LOST_INGRESS = "actor died unexpectedly"
 
 MODES = {None: pb.SpeculationPolicy.MODE_UNSPECIFIED, True: pb.SpeculationPolicy.MODE_ON, False: pb.SpeculationPolicy.MODE_OFF}
 
@@ -53,24 +67,64 @@ def make_request(
     return request
 
 
+def _log_retry(exc: grpc.RpcError, attempt: int, delay_s: float) -> None:
+    logger.warning("%s: %s; retry %d of %d in %.1fs", exc.code().name, exc.details(), attempt, RETRIES, delay_s)
+
+
 class SpecDecodeClient:
-    """``token``: the server's bearer token (default: ``SPLITSPEC_AUTH_TOKEN``, if set; deployments.auth)."""
+    """``token``: the server's bearer token (default: ``SPLITSPEC_AUTH_TOKEN``, if set; deployments.auth).
+
+    ``generate`` sends a call again when no ingress replica took it or its ingress replica died (``retryable``;
+    ``retries`` times, with backoff, within ``timeout_s``), calling ``on_retry(error, attempt, delay_s)`` before each
+    wait; so does ``stream_retrying`` until its first chunk. ``stream`` does not retry.
+    """
 
     def __init__(self, address: str = "127.0.0.1:9000", *, application: str | None = None, timeout_s: float | None = None,
-                 token: str | None = None):
+                 token: str | None = None, retries: int = RETRIES,
+                 on_retry: Callable[[grpc.RpcError, int, float], None] = _log_retry):
         self.address = address
         self.channel = grpc.insecure_channel(address)
         self.stub = pb_grpc.SpecDecodeStub(self.channel)
         token = os.environ.get(auth.TOKEN_ENV, "").strip() if token is None else token
         self.metadata = ((("application", application),) if application else ()) + ((auth.bearer(token),) if token else ())
         self.timeout_s = timeout_s
+        self.retries, self.on_retry = retries, on_retry
 
     def generate(self, prompt: str = "", **kwargs) -> pb.GenerateResponse:
-        return self.stub.Generate(make_request(prompt, **kwargs), metadata=self.metadata, timeout=self.timeout_s)
+        request = make_request(prompt, **kwargs)
+        return self._retrying(lambda timeout: self.stub.Generate(request, metadata=self.metadata, timeout=timeout))
 
     def stream(self, prompt: str = "", **kwargs) -> Iterator[pb.GenerateStreamResponse]:
+        """The stream call itself (it has ``cancel()``); no retries."""
         return self.stub.GenerateStream(make_request(prompt, stream=True, **kwargs), metadata=self.metadata,
                                         timeout=self.timeout_s)
+
+    def stream_retrying(self, prompt: str = "", **kwargs) -> Iterator[pb.GenerateStreamResponse]:
+        """Like ``stream``, but a stream that fails with UNAVAILABLE before its first chunk is opened again (after a
+        chunk, the error is raised: the client has seen part of the answer)."""
+        request = make_request(prompt, stream=True, **kwargs)
+        first = self._retrying(lambda timeout: _first(self.stub.GenerateStream(request, metadata=self.metadata,
+                                                                                timeout=timeout)))
+        chunk, rest = first
+        if chunk is not None:
+            yield chunk
+            yield from rest
+
+    def _retrying(self, call: Callable[[float | None], object]):
+        deadline = time.monotonic() + self.timeout_s if self.timeout_s is not None else None
+        delay = RETRY_BACKOFF_S[0]
+        for attempt in range(self.retries + 1):
+            timeout = max(0.0, deadline - time.monotonic()) if deadline is not None else None
+            try:
+                return call(timeout)
+            except grpc.RpcError as exc:
+                late = deadline is not None and time.monotonic() + delay >= deadline
+                if not retryable(exc) or attempt == self.retries or late:
+                    raise
+                self.on_retry(exc, attempt + 1, delay)
+                time.sleep(delay)
+                delay = min(2 * delay, RETRY_BACKOFF_S[1])
+        raise AssertionError("unreachable")
 
     def wait_ready(self, timeout_s: float = 60.0) -> None:
         grpc.channel_ready_future(self.channel).result(timeout=timeout_s)
@@ -83,3 +137,15 @@ class SpecDecodeClient:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def retryable(exc: grpc.RpcError) -> bool:
+    """The call may be sent again: no ingress replica took it (UNAVAILABLE), or its ingress replica died."""
+    code = exc.code()
+    return code == grpc.StatusCode.UNAVAILABLE or (
+        code == grpc.StatusCode.INTERNAL and LOST_INGRESS in (exc.details() or "").lower())
+
+
+def _first(stream) -> tuple:
+    """(first chunk or None, the stream): waits for the first chunk, so that an error before it is raised here."""
+    return next(stream, None), stream

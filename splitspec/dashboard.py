@@ -102,6 +102,10 @@ PANELS = [
     ), "Requests that lost speculation because the draft stage failed (they still get the target's answer), and "
        "adaptive requests served without a drafter: speculation had not paid on earlier requests (cost) or the "
        "ingress was overloaded (load)."),
+    Panel("Recovered replica losses", "short", (
+        ("{{stage}}", f"sum by (stage) (increase(ray_splitspec_recoveries_total{{{APP}}}[5m])) or vector(0)"),
+    ), "Stage replicas that requests lost (killed, OOM, node gone) and recovered from without an error: prefill and "
+       "verify calls retried or reopened on a live replica, drafting resumed on a new draft session."),
 ]
 
 

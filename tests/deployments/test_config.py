@@ -34,6 +34,7 @@ def test_shipped_configs_validate(name):
     {"stages": {"verify": {"device": "cuda"}}},  # no GPU in its placement: Ray would hide the GPUs from it
     {"stages": {"verify": {"dtype": "bfloat16"}}},  # prefill stays float32: the KV could not pass between them
     {"stages": {"draft": {"dtype": "int4"}}},
+    {"limits": {"request_timeout_s": 60, "session_idle_s": 60}},  # a live request's sessions could be closed
 ])
 def test_bad_config_is_refused(bad):
     with pytest.raises(ValidationError):

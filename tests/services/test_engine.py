@@ -190,6 +190,28 @@ def test_sessions_are_bounded_by_kv_bytes(tiny):
     assert "a" not in draft.sessions and "d" in draft.sessions
 
 
+def test_idle_sessions_are_reaped(tiny):
+    """Sessions nobody called for longer than the bound are closed, least recently used first; a call keeps one."""
+    _, draft_model = tiny
+    now = [0.0]
+    draft = DraftEngine(draft_model)
+    draft.sessions.clock = lambda: now[0]
+    draft.start("old", [1, 2, 3], SamplingParams())
+    now[0] = 5.0
+    draft.start("used", [1, 2, 3], SamplingParams())
+    draft.start("new", [1, 2, 3], SamplingParams())
+    now[0] = 8.0
+    draft.propose("used", 1)
+    now[0] = 12.0
+    assert draft.sessions.reap(10.0) == ["old"]
+    assert draft.sessions.reap(10.0) == []
+    now[0] = 16.0
+    assert draft.sessions.reap(10.0) == ["new"] and "used" in draft.sessions
+    with pytest.raises(SessionNotFoundError, match="closed after 10s without a call"):
+        draft.propose("old", 1)
+    assert draft.sessions.reaped == 2
+
+
 def test_pair_with_other_vocab_is_refused(tiny):
     target, _ = tiny
     from transformers import LlamaForCausalLM

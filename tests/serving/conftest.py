@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import contextlib
 import socket
+import time
 
 import pytest
+from ray import serve
 
-from deployments.config import AppConfig
+from deployments.config import DEFAULT_APP_NAME, AppConfig
 from services.text import encode_prompt
 from splitspec.client import SpecDecodeClient
 from tests.conftest import greedy_reference
@@ -24,6 +26,7 @@ PROMPTS = [
     "Name a famous painting by Leonardo da Vinci.",
 ]
 MAX_NEW_TOKENS = 24
+BOUND_S = 180  # bounds a wait for a replica to hold a call or come back (seconds in practice)
 
 
 def free_port() -> int:
@@ -66,6 +69,41 @@ def serving(config: AppConfig, *, nodes: int = 1, dashboard: bool = False):
             yield client
     finally:
         local.stop()
+
+
+# -- stage replicas through their handles (deployments.faults needs faults.enabled in the config) --------------
+
+
+def handle(deployment: str, app: str = DEFAULT_APP_NAME):
+    return serve.get_deployment_handle(deployment, app)
+
+
+def arm(deployment: str, method: str, action: str, after: int = 0) -> str:
+    """Arm the deployment's (only) replica; returns its actor name."""
+    return handle(deployment).arm_fault.remote(method, action, after).result(timeout_s=60)
+
+
+def until(what: str, check, bound_s: float = BOUND_S):
+    """check()'s first truthy value; an error (a replica gone or not back yet) counts as not yet."""
+    deadline = time.monotonic() + bound_s
+    while True:
+        try:
+            value = check()
+            if value:
+                return value
+        except Exception:  # noqa: BLE001 - a replica that is gone or not yet back: ask again
+            pass
+        assert time.monotonic() < deadline, f"{what}: not within {bound_s}s"
+        time.sleep(0.2)
+
+
+def held(deployment: str) -> bool:
+    return handle(deployment).stats.remote().result(timeout_s=10)["held"] > 0
+
+
+def open_sessions() -> dict[str, int]:
+    """Sessions open on the Draft and on the Verify replica."""
+    return {d: handle(d).stats.remote().result(timeout_s=60)["sessions"] for d in ("Draft", "Verify")}
 
 
 @pytest.fixture(scope="session")

@@ -8,7 +8,7 @@ import pytest
 
 from splitspec.client import make_request
 from splitspec.cluster import PlacementError, deploy, placements_for
-from tests.serving.conftest import serving, make_config
+from tests.serving.conftest import BOUND_S, arm, handle, held, make_config, open_sessions, serving, until
 
 pytestmark = pytest.mark.slow
 
@@ -39,9 +39,13 @@ BAD = [
 ]
 
 
+REQUEST_TIMEOUT_S = 10  # the server's deadline here (limits.request_timeout_s); every request but the held ones is short
+
+
 @pytest.fixture(scope="module")
 def client():
-    config = make_config(limits={"max_ongoing_requests": 1, "max_queued_requests": 1})
+    config = make_config(limits={"max_ongoing_requests": 1, "max_queued_requests": 1, "request_timeout_s": REQUEST_TIMEOUT_S},
+                         faults={"enabled": True})
     with serving(config) as client:
         yield client
 
@@ -79,26 +83,59 @@ def test_good_request_after_bad_ones(client):
 
 
 def test_queue_full_is_resource_exhausted(client):
-    """One running + one queued request fit; the rest are refused at once, and nothing else breaks."""
+    """One running request (its verify call held) and one queued fill the ingress; the others are refused at once;
+    once the verify call goes on, the two are served."""
     def call(i):
         try:
-            return list(client.stream(messages=OK_PROMPT, max_new_tokens=48, speculate=False, request_id=str(i)))[-1].finish_reason
+            return list(client.stream(messages=OK_PROMPT, max_new_tokens=8, speculate=False, request_id=str(i)))
         except grpc.RpcError as exc:
             return exc.code()
 
+    arm("Verify", "verify", "hold")
     with concurrent.futures.ThreadPoolExecutor(6) as pool:
-        results = list(pool.map(call, range(6)))
-    refused = [r for r in results if r == grpc.StatusCode.RESOURCE_EXHAUSTED]
-    assert refused and len(refused) < len(results)
-    assert all(r == grpc.StatusCode.RESOURCE_EXHAUSTED or isinstance(r, int) for r in results), results
+        running = pool.submit(call, 0)
+        until("the running request's verify call held", lambda: held("Verify"))
+        others = [pool.submit(call, i) for i in range(1, 6)]
+        refused = until("four requests refused", lambda: [f for f in others if f.done()] if sum(
+            f.done() for f in others) == 4 else None)
+        assert [f.result() for f in refused] == [grpc.StatusCode.RESOURCE_EXHAUSTED] * 4
+        handle("Verify").release_fault.remote().result(timeout_s=60)
+        served = [running.result(timeout=BOUND_S)] + [f.result(timeout=BOUND_S) for f in others if f not in refused]
+    assert len(served) == 2 and all(chunks[-1].finish_reason for chunks in served), served
     assert client.generate(messages=OK_PROMPT, max_new_tokens=4).usage.completion_tokens > 0
 
 
-def test_client_deadline(client):
+@pytest.mark.parametrize("stream", [False, True], ids=["unary", "stream"])
+def test_client_deadline_frees_the_sessions(client, stream):
+    """The client's deadline passes while the request's verify call holds: DEADLINE_EXCEEDED, and the request's draft
+    and verify sessions are closed."""
+    arm("Verify", "verify", "hold", after=2)
+    request = make_request(messages=OK_PROMPT, max_new_tokens=64, stream=stream)
     with pytest.raises(grpc.RpcError) as err:
-        client.stub.Generate(make_request(messages=OK_PROMPT, max_new_tokens=200), timeout=0.3)
+        if stream:
+            list(client.stub.GenerateStream(request, timeout=3))
+        else:
+            client.stub.Generate(request, timeout=3)
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    time.sleep(0.5)
+    until("sessions closed", lambda: open_sessions() == {"Draft": 0, "Verify": 0})
+    handle("Verify").release_fault.remote().result(timeout_s=60)  # (nothing holds: the call was cancelled)
+    assert client.generate(messages=OK_PROMPT, max_new_tokens=4).usage.completion_tokens > 0
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["unary", "stream"])
+def test_server_deadline_frees_the_sessions(client, stream):
+    """The server's deadline (limits.request_timeout_s) passes while a verify call holds: DEADLINE_EXCEEDED naming the
+    limit, on both RPCs (a stream too, between chunks), and the sessions are closed."""
+    arm("Verify", "verify", "hold", after=2)
+    with pytest.raises(grpc.RpcError) as err:
+        if stream:
+            list(client.stream(messages=OK_PROMPT, max_new_tokens=64))
+        else:
+            client.generate(messages=OK_PROMPT, max_new_tokens=64)
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert f"limits.request_timeout_s ({REQUEST_TIMEOUT_S}s)" in err.value.details()
+    until("sessions closed", lambda: open_sessions() == {"Draft": 0, "Verify": 0})
+    handle("Verify").release_fault.remote().result(timeout_s=60)
     assert client.generate(messages=OK_PROMPT, max_new_tokens=4).usage.completion_tokens > 0
 
 

@@ -1,0 +1,89 @@
+"""What the ingress does when a stage replica is lost (deployments/ingress.py), on the tiny pair in-process.
+
+A lost verify session is reopened from a prefill of the prompt and every emitted token but the last, pending that
+last token: the state it had before the failed call. A lost draft session turns drafting off; a fresh one over the
+same tokens lets the loop draft again (``SpeculativeLoop.resume_drafting``). Greedy output stays the target's.
+"""
+
+import pytest
+
+from services.loop import Results, SpeculativeLoop, StepOutput
+from services.sampling import SamplingParams
+from tests.conftest import greedy_reference
+from tests.services.test_engine import PROMPTS
+
+NEW_TOKENS = 24
+PARAMS = SamplingParams()
+
+
+def _run(engines, prompt, drafter, *, lose_verify_at=(), lose_draft_at=None, resume_draft_at=None):
+    """Decode ``prompt`` with k = 2, losing the verify session before the verify calls numbered in ``lose_verify_at``,
+    and the draft session at proposal ``lose_draft_at``, opening a fresh one after step ``resume_draft_at``."""
+    prefill, draft, verify = engines
+    handoff = prefill.prefill(prompt, PARAMS)
+    verify.open("r", handoff.payload, handoff.first_token, PARAMS)
+    draft.start("r", prompt, PARAMS, drafter)
+    loop = SpeculativeLoop(handoff.first_token, max_new_tokens=NEW_TOKENS, eos=prefill.target.eos_token_ids,
+                           num_draft_tokens=2, drafting=True)
+    tokens, drafted_per_step, results, proposals, verifies, steps = [], [], None, 0, 0, 0
+    try:
+        while (item := loop.advance(results)) is not None:
+            results = None
+            if isinstance(item, StepOutput):
+                tokens += item.token_ids
+                drafted_per_step.append(item.n_drafted)
+                steps += 1
+                if steps == resume_draft_at:
+                    draft.start("r", prompt + tokens[:-1], PARAMS, drafter)
+                    loop.resume_drafting()
+                continue
+            results = Results()
+            if item.propose is not None:
+                proposals += 1
+                if proposals == lose_draft_at:
+                    draft.close("r")  # the replica is gone with the session
+                    results.draft_failed = True
+                else:
+                    p = item.propose
+                    results.proposal = draft.propose("r", p.k, p.forced, p.guesses, p.accepts)
+            if item.verify is not None:
+                verifies += 1
+                if verifies in lose_verify_at:
+                    verify.close("r")
+                    again = prefill.prefill(prompt + tokens[:-1], PARAMS)  # on a live prefill replica
+                    verify.open("r", again.payload, tokens[-1], PARAMS)
+                results.verdict = verify.verify("r", item.verify.draft_ids, item.verify.probs)
+    finally:
+        verify.close("r")
+        draft.close("r")
+    return tokens, drafted_per_step
+
+
+@pytest.mark.parametrize("drafter", ["model", "prompt_lookup"])
+def test_verify_session_reopened_mid_request(tiny, tiny_engines, drafter):
+    target, _ = tiny
+    for prompt in PROMPTS:
+        tokens, _ = _run(tiny_engines, prompt, drafter, lose_verify_at=(1, 3, 4))
+        assert tokens == greedy_reference(target.model, prompt, NEW_TOKENS), prompt
+
+
+def test_draft_session_lost_then_resumed(tiny, tiny_engines):
+    target, _ = tiny
+    resumed = 0
+    for prompt in PROMPTS:
+        tokens, drafted = _run(tiny_engines, prompt, "model", lose_draft_at=3, resume_draft_at=6)
+        assert tokens == greedy_reference(target.model, prompt, NEW_TOKENS), prompt
+        if len(drafted) > 8:  # (an answer that ends early has no steps after the resume)
+            # step 1 is prefill's token; proposals 1-2 were verified at steps 2-3; step 4 on: the target alone; the
+            # fresh session drafts from step 7 (k shrinks at the end of the budget)
+            assert drafted[1:3] == [2, 2] and drafted[3:6] == [0, 0, 0] and all(d > 0 for d in drafted[6:-1]), (prompt, drafted)
+            resumed += 1
+    assert resumed >= 2
+
+
+def test_resume_is_ignored_while_drafting(tiny, tiny_engines):
+    """resume_drafting() on a loop that still drafts changes nothing."""
+    target, _ = tiny
+    prompt = PROMPTS[0]
+    tokens, drafted = _run(tiny_engines, prompt, "model", resume_draft_at=10**9)
+    assert tokens == greedy_reference(target.model, prompt, NEW_TOKENS)

@@ -1,0 +1,124 @@
+"""Lost replicas, killed for real: the client sees no error and the target's exact greedy tokens.
+
+Faults are injected deterministically (deployments.faults, config faults.enabled): a stage replica's Nth call
+exits its process, or holds until the test kills the replica through Ray. Serve starts a replacement each time.
+"""
+
+import concurrent.futures
+
+import grpc
+import pytest
+import ray
+
+from splitspec.client import SpecDecodeClient
+from tests.serving.conftest import BOUND_S, MAX_NEW_TOKENS, arm, handle, held, make_config, serving, until
+
+pytestmark = pytest.mark.slow
+
+APP = "splitspec"
+PINNED = dict(speculate=True, num_draft_tokens=2, overlap=False)  # k pinned: a draft and a verify call every step
+# prompts whose answers run past the token budget (checked): the faults strike mid-request
+LONG = ["Count from 1 to 100.", "Write a short story about a robot.", "List the first 40 even numbers.",
+        "Explain how a CPU works, step by step.", "Describe the water cycle in detail."]
+
+
+@pytest.fixture(scope="module")
+def client():
+    with serving(make_config(faults={"enabled": True})) as client:
+        yield client
+
+
+def _recoveries() -> dict:
+    return handle("SpecDecodeIngress").recovery_counts.remote().result(timeout_s=60)
+
+
+def _kill(actor_name: str) -> None:
+    ray.kill(ray.get_actor(actor_name, namespace="serve"), no_restart=True)
+
+
+def _tokens(chunks) -> list[int]:
+    return [t for c in chunks for t in c.token_ids]
+
+
+@pytest.fixture
+def expected(reference):
+    def answer(prompt: str, max_new_tokens: int = MAX_NEW_TOKENS) -> list[int]:
+        tokens = reference(prompt, max_new_tokens)
+        assert len(tokens) == max_new_tokens, f"{prompt!r} ends before the budget: no fault would strike mid-request"
+        return tokens
+
+    return answer
+
+
+def test_verify_replica_exits_mid_request(client, expected):
+    """Unary: the verify replica's process dies at its 3rd verify call; the ingress prefills prompt + tokens so far
+    on the prefill replica, reopens the session on the replacement, and verifies the same block again."""
+    before = _recoveries().get("verify", 0)
+    arm("Verify", "verify", "exit", after=2)
+    response = client.generate(messages=[("user", LONG[4])], **PINNED)
+    assert list(response.token_ids) == expected(LONG[4])
+    assert _recoveries()["verify"] == before + 1
+
+
+def test_verify_replica_killed_mid_stream(client, expected):
+    """Stream, EAGLE drafter: the 4th verify call holds, the test kills the replica through Ray meanwhile."""
+    before = _recoveries().get("verify", 0)
+    name = arm("Verify", "verify", "hold", after=3)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        answer = pool.submit(lambda: list(client.stream(messages=[("user", LONG[0])], drafter="eagle", **PINNED)))
+        until("a verify call held", lambda: held("Verify"))
+        _kill(name)
+        chunks = answer.result(timeout=BOUND_S)
+    assert _tokens(chunks) == expected(LONG[0])
+    assert chunks[-1].speculation_stats.drafted > 0 and not chunks[-1].speculation_stats.fell_back
+    assert _recoveries()["verify"] == before + 1
+
+
+def test_prefill_replica_exits(client, expected):
+    """The prefill replica dies on the request's prefill; the call is retried on its replacement."""
+    before = _recoveries().get("prefill", 0)
+    arm("Prefill", "prefill", "exit")
+    response = client.generate(messages=[("user", LONG[1])], **PINNED)
+    assert list(response.token_ids) == expected(LONG[1])
+    assert _recoveries()["prefill"] == before + 1
+
+
+def test_draft_replica_lost_then_speculation_resumes(client, expected):
+    """The draft replica dies at the 3rd proposal: the request goes on with the target alone (same tokens); its 6th
+    verify call holds until a draft replica answers the ingress again; then it drafts again on a fresh session."""
+    before = _recoveries()
+    arm("Draft", "propose", "exit", after=2)
+    arm("Verify", "verify", "hold", after=5)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        answer = pool.submit(lambda: list(client.stream(messages=[("user", LONG[2])], max_new_tokens=48,
+                                                        drafter="eagle", **PINNED)))
+        until("a verify call held", lambda: held("Verify"))
+        until("the ingress saw a draft replica again",
+               lambda: _recoveries().get("draft_replica_answered", 0) > before.get("draft_replica_answered", 0))
+        handle("Verify").release_fault.remote().result(timeout_s=60)
+        chunks = answer.result(timeout=BOUND_S)
+    assert _tokens(chunks) == expected(LONG[2], 48)
+    drafted = [c.drafted_tokens for c in chunks[1:]]  # (the first chunk is prefill's token)
+    assert drafted[:2] == [2, 2] and drafted[2:5] == [0, 0, 0], drafted  # drafts, then the target alone
+    assert any(drafted[5:]), drafted  # and drafts again
+    assert chunks[-1].speculation_stats.fell_back
+    assert _recoveries()["draft"] == before.get("draft", 0) + 1
+
+
+def test_ingress_replica_lost_client_retries(client, expected):
+    """The ingress replica is killed while a unary call is in flight (its verify call holds): the call fails (Ray
+    2.60's proxy says INTERNAL, "actor died unexpectedly"), and the client sends it again, to the replacement ingress
+    (UNAVAILABLE until it is up)."""
+    ingress = next(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                   if a["name"].startswith(f"SERVE_REPLICA::{APP}#SpecDecodeIngress#"))
+    retries = []
+    with SpecDecodeClient(client.address, timeout_s=BOUND_S, on_retry=lambda exc, *_: retries.append(exc.code())) as c:
+        arm("Verify", "verify", "hold", after=1)
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            answer = pool.submit(c.generate, messages=[("user", LONG[3])], **PINNED)
+            until("a verify call held", lambda: held("Verify"))
+            _kill(ingress)
+            response = answer.result(timeout=BOUND_S)
+    handle("Verify").release_fault.remote().result(timeout_s=60)  # (the lost request's call)
+    assert list(response.token_ids) == expected(LONG[3])
+    assert retries[0] == grpc.StatusCode.INTERNAL and set(retries[1:]) <= {grpc.StatusCode.UNAVAILABLE}, retries
