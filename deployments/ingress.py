@@ -8,6 +8,7 @@ the Ray object store.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import dataclasses
 import logging
 import time
@@ -27,7 +28,7 @@ from deployments.config import AppConfig
 from deployments.metrics import RequestMetrics
 from deployments.placement import unplaceable
 from deployments.routing import pin
-from deployments.stages import model_dirs
+from deployments.stages import model_dirs, rss_bytes
 from deployments.status import RequestDeadlineError, StageUnavailableError, UnauthenticatedError, to_status, unwrap
 from services import eagle_draft
 from services.draft import DRAFTERS, EAGLE_DRAFTER, FEATURE_DRAFTERS, MODEL_DRAFTER
@@ -35,7 +36,7 @@ from services.errors import CapacityError, SessionNotFoundError
 from services.loading import check_tokenizers, describe
 from services.loop import PRE_DRAFT_GUESSES, Calls, Results, SpeculativeLoop, StepOutput
 from services.policy import AcceptanceCounts, AdaptiveK, CostModel, RequestGate
-from services.sampling import SamplingParams
+from services.sampling import reseeded
 from services.text import TextStream
 from splitspec.v1 import splitspec_pb2 as pb
 
@@ -107,6 +108,7 @@ class SpecDecodeIngress:
         self.gates = defaultdict(lambda: RequestGate(self.config.speculation.explore_every))  # per drafter
         self.active = 0  # requests between prefill and their last step on this replica (the adaptive policy's load)
         self.recoveries: dict[str, int] = defaultdict(int)  # lost stage replicas recovered from, by stage
+        self._detached_tasks: set[asyncio.Task] = set()  # closes that outlive their requests (``_detached``)
         self._check_placement()
         self._watchdog = asyncio.get_event_loop().create_task(self._watch_placement())
 
@@ -284,11 +286,11 @@ class SpecDecodeIngress:
                     results = await self._execute(item, plan, s)
         finally:
             self.active -= 1
-            # close both sessions without waiting (also when the client went away)
+            # close both sessions without waiting (also when the client went away or the deadline passed)
             if s.verify is not None:
-                s.verify.close.remote(sid)
+                self._detached(s.verify.close.remote, sid)
             if s.draft is not None:
-                s.draft.close.remote(sid)
+                self._detached(s.draft.close.remote, sid)
             elif started is not None:
                 self._close_when_started(sid, started)
             if s.draft_back is not None:
@@ -373,7 +375,7 @@ class SpecDecodeIngress:
         had before the failed call."""
         self._lost(plan, "verify", exc, s)
         sid, ids = plan.session_id, plan.prompt_ids + s.tokens[:-1]
-        params = _reseeded(plan.params, len(s.tokens))
+        params = reseeded(plan.params, len(s.tokens))
         handoff = await self._retrying(plan, "prefill", lambda: self.prefill.prefill.remote(ids, params, False))
         handoff = dataclasses.replace(handoff, first_token=s.tokens[-1])  # (prefill's own next token is not used)
         opened = await self._retrying(plan, "verify", lambda: self.verify.open.remote(sid, handoff, params, s.features))
@@ -404,7 +406,7 @@ class SpecDecodeIngress:
         if not back:
             return
         sid, ids = plan.session_id, plan.prompt_ids + s.tokens[:-1]
-        params = _reseeded(plan.params, len(s.tokens))
+        params = reseeded(plan.params, len(s.tokens))
         s.recoveries += 1  # (the loss was logged when the request fell back)
         self.metrics.recovery("draft")
         self.recoveries["draft"] += 1
@@ -450,11 +452,25 @@ class SpecDecodeIngress:
         async def close():
             try:
                 opened = await started
-                self.draft.options(session_id=pin(opened.replica_id)).close.remote(sid)
             except Exception:  # noqa: BLE001 - the session never opened
-                pass
+                return
+            await self.draft.options(session_id=pin(opened.replica_id)).close.remote(sid)
 
-        asyncio.get_running_loop().create_task(close())
+        self._detached(close)
+
+    def _detached(self, call: Callable, *args) -> None:
+        """Run ``call(*args)`` (a stage call, or a coroutine function making them) to its end, outside the request:
+        Serve cancels the stage calls a request makes once it is cancelled or has ended, and a session's close must
+        outlive its request. Errors are logged, never raised."""
+        async def run():
+            try:
+                await asyncio.wait_for(_awaited(call(*args)), timeout=self.config.limits.stage_timeout_s)
+            except Exception as exc:  # noqa: BLE001 - a replica gone or a session already closed: nothing to close
+                logger.debug("detached call failed: %s", exc)
+
+        task = asyncio.get_running_loop().create_task(run(), context=contextvars.Context())  # no request context
+        self._detached_tasks.add(task)
+        task.add_done_callback(self._detached_tasks.discard)
 
     def _fail(self, method: str, grpc_context, exc: Exception):
         code, message = to_status(exc)
@@ -494,22 +510,15 @@ class SpecDecodeIngress:
             }
         return state
 
-    async def recovery_counts(self) -> dict[str, int]:
-        """Lost stage replicas this ingress replica has recovered from, by stage; ``draft_replica_answered``: times a
-        request that lost its draft replica found a live one (it drafts again from its next step)."""
-        return dict(self.recoveries)
+    async def stats(self) -> dict:
+        """This replica: requests running, resident memory, and the lost stage replicas it has recovered from, by
+        stage (``draft_replica_answered``: times a request that lost its draft replica found a live one)."""
+        return {"replica_id": serve.get_replica_context().replica_id.unique_id, "active": self.active,
+                "rss_bytes": rss_bytes(), "recoveries": dict(self.recoveries)}
 
     async def recent_handoffs(self) -> list[dict]:
         """Where the last KV handoffs went: prefill node, verify node, bytes, and what the ingress held."""
         return list(self.handoffs)
-
-
-def _reseeded(params: SamplingParams, emitted: int) -> SamplingParams:
-    """The params of a session reopened after ``emitted`` tokens: a seeded request gets a fresh, still reproducible
-    random stream (replaying the first stream's draws would tie the new tokens to the old ones)."""
-    if params.seed is None:
-        return params
-    return dataclasses.replace(params, seed=(params.seed * 1_000_003 + emitted) % (2**63))
 
 
 async def _awaited(response):

@@ -20,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import psutil
 import ray
 from ray import serve
 
@@ -84,6 +85,11 @@ def stage_device(config: AppConfig, stage: str) -> str:
     return device
 
 
+def rss_bytes() -> int:
+    """This process's resident memory."""
+    return psutil.Process().memory_info().rss
+
+
 def _identity() -> tuple[str, str]:
     return serve.get_replica_context().replica_id.unique_id, ray.get_runtime_context().get_node_id()
 
@@ -106,15 +112,16 @@ class _Stage:
 
     def _session_counts(self) -> tuple[int, int]:
         """(open sessions, KV bytes held); run on the engine thread, which is the only one that changes them."""
-        sessions = self.engine.sessions
-        return len(sessions), sessions.kv_bytes
+        sessions = getattr(self.engine, "sessions", ())  # (prefill holds none)
+        return len(sessions), getattr(sessions, "kv_bytes", 0)
 
     async def stats(self) -> dict:
         """This replica's sessions: open now, opened in all, KV bytes held; its batched passes: how many ran, and
-        the most sessions' calls one of them took."""
+        the most sessions' calls one of them took; calls held by a fault (tests); its resident memory."""
         sessions, kv_bytes = await self._run(self._session_counts)
         return {"replica_id": _identity()[0], "sessions": sessions, "opened": self.opened, "kv_bytes": kv_bytes,
-                "passes": self.batcher.passes, "largest_pass": self.batcher.largest_pass, "held": self.faults.held}
+                "passes": self.batcher.passes, "largest_pass": self.batcher.largest_pass, "held": self.faults.held,
+                "rss_bytes": rss_bytes()}
 
     async def arm_fault(self, method: str, action: str, after: int = 0) -> str:
         """Tests only (faults.enabled): this replica's call of ``method`` number ``after + 1`` exits the process or

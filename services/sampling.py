@@ -21,7 +21,7 @@ and q are one-hot and the rule reduces to "accept while the argmaxes agree".
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -59,6 +59,15 @@ class SamplingParams:
         if self.seed is not None and not isinstance(self.seed, int):
             raise InvalidRequestError(f"seed must be an integer, got {self.seed!r}")
         return self
+
+
+def reseeded(params: SamplingParams, position: int) -> SamplingParams:
+    """The params of a session opened again after ``position`` emitted tokens (its replica was lost): a seeded request
+    gets a fresh random stream, reproducible for the same position. Replaying the first stream's draws would tie the
+    new tokens to the ones those draws already chose."""
+    if params.seed is None:
+        return params
+    return replace(params, seed=(params.seed * 1_000_003 + position) % (2**63))
 
 
 def make_generator(seed: int | None, stream: int) -> torch.Generator:

@@ -312,6 +312,34 @@ def cmd_bench_load(args) -> int:
     return _write_report(args, report, bench_load.plot)
 
 
+def cmd_soak(args) -> int:
+    from splitspec import bench_grpc, soak
+    from splitspec.client import SpecDecodeClient
+
+    prompts = bench_grpc.prompts_of(args.prompt_set)
+    print(f"soak: {args.requests} requests, {args.concurrency} at a time, seed {args.seed}: unary and streams, "
+          f"policies {list(soak.POLICIES)}, some cancelled, some with short deadlines")
+    with _service(args) as (address, _):
+        with SpecDecodeClient(address, timeout_s=args.request_timeout) as client:
+            client.wait_ready()
+            report = soak.run(client, prompts, requests=args.requests, concurrency=args.concurrency, seed=args.seed,
+                              replicas_per_deployment=1)
+    print(f"{report['requests']} requests in {report['seconds']} s; outcomes: {report['outcomes']}")
+    print(f"unexpected: {report['unexpected'] or 'none'}; open after: {report['open_after']}; sessions opened: "
+          f"{report['opened_sessions']}")
+    store = report["object_store_bytes"]
+    print(f"object store bytes: {store['baseline']} before, {store['after']} after")
+    for replica, r in report["rss_bytes"].items():
+        print(f"  RSS {replica}: {r['after_warmup'] / 2**20:.0f} MiB after warm-up, {r['after_run'] / 2**20:.0f} MiB "
+              f"after the run ({r['growth']:+.1%})")
+    for name, held in report["invariants"].items():
+        print(f"  {'ok  ' if held else 'FAIL'} {name}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+        print(f"wrote {args.json}")
+    return 0 if report["ok"] else 1
+
+
 def cmd_dashboard_snapshot(args) -> int:
     from splitspec import snapshot
 
@@ -395,6 +423,19 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_argument("--request-timeout", type=float, default=600.0, help="client deadline per request (s)")
     load.add_argument("--plot", help="also write PNG plots (throughput, latency vs concurrency) here")
     load.set_defaults(fn=cmd_bench_load)
+
+    soak_cmd = sub.add_parser("soak", help="many requests of every kind (cancelled, past deadlines), then check that "
+                                           "no session, KV reference or memory leaked")
+    soak_cmd.add_argument("--nodes", type=int, default=1, choices=[1, 3])
+    soak_cmd.add_argument("--config", help="app config YAML of the local service (default: the built-in defaults)")
+    soak_cmd.add_argument("--grpc-port", type=int, default=9100)
+    soak_cmd.add_argument("--prompt-set", choices=["held_out", "everyday"], default="held_out")
+    soak_cmd.add_argument("--json", help="also write the report as JSON here")
+    soak_cmd.add_argument("--requests", type=int, default=500)
+    soak_cmd.add_argument("--concurrency", type=int, default=32)
+    soak_cmd.add_argument("--seed", type=int, default=0, help="draws each request's RPC, policy and client behaviour")
+    soak_cmd.add_argument("--request-timeout", type=float, default=600.0, help="client deadline of the other requests")
+    soak_cmd.set_defaults(fn=cmd_soak, address=None)  # the checks need this process's Serve handles: a local cluster
 
     serve = sub.add_parser("serve", help="start a local Ray cluster and serve splitspec over gRPC")
     serve.add_argument("--config", help="app config YAML (deployments.config.AppConfig, or a Serve config file)")

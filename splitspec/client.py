@@ -18,7 +18,7 @@ logger = logging.getLogger(__name__)
 # A call that finds no ingress replica (UNAVAILABLE: the service is starting or replacing one) or loses its ingress
 # replica mid-call is sent again, up to RETRIES times, waiting RETRY_BACKOFF_S[0], doubling, at most
 # RETRY_BACKOFF_S[1] between tries (about 23 s in all).
-RETRIES = 5
+RETRIES = 6
 RETRY_BACKOFF_S = (0.5, 8.0)
 # Ray 2.60's gRPC proxy reports an ingress replica that died during the call as INTERNAL with Ray's actor-death
 # message (ray/serve/_private/grpc_util.py maps RayActorError to INTERNAL); splitspec's own INTERNAL errors say

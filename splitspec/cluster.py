@@ -55,6 +55,15 @@ def loopback_only() -> None:
     ray_constants.ENABLE_RAY_CLUSTER = False
 
 
+def store_stats(node_id: str):
+    """A node's object store counters as its raylet reports them (bytes used, cumulative bytes created, ...)."""
+    import ray
+    from ray._private.internal_api import node_stats
+
+    node = next(n for n in ray.nodes() if n["NodeID"] == node_id)
+    return node_stats(node["NodeManagerAddress"], node["NodeManagerPort"], include_memory_info=False).store_stats
+
+
 class PlacementError(RuntimeError):
     """Some stage cannot run on this cluster (its label or resource is on no node)."""
 

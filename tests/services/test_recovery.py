@@ -6,11 +6,14 @@ same tokens lets the loop draft again (``SpeculativeLoop.resume_drafting``). Gre
 """
 
 import pytest
+import torch
 
 from services.loop import Results, SpeculativeLoop, StepOutput
-from services.sampling import SamplingParams
+from services.models.tiny import TINY_VOCAB_SIZE
+from services.sampling import SamplingParams, logits_to_probs, reseeded
 from tests.conftest import greedy_reference
 from tests.services.test_engine import PROMPTS
+from tests.services.test_sampling import assert_follows
 
 NEW_TOKENS = 24
 PARAMS = SamplingParams()
@@ -87,3 +90,39 @@ def test_resume_is_ignored_while_drafting(tiny, tiny_engines):
     prompt = PROMPTS[0]
     tokens, drafted = _run(tiny_engines, prompt, "model", resume_draft_at=10**9)
     assert tokens == greedy_reference(target.model, prompt, NEW_TOKENS)
+
+
+DRAWS = 3000
+
+
+@pytest.mark.parametrize("position_seed", [True, False], ids=["reseeded", "same seed (the bug the reseed avoids)"])
+def test_sampled_tokens_follow_the_target_across_a_reopened_session(tiny, tiny_engines, position_seed):
+    """Seeded sampling, speculation off: the verify session samples the second token, is reopened, samples the
+    third. Given the second, the third follows the target's p — with the reopened session's fresh stream
+    (``reseeded``); replaying the first stream's draws instead skews it (the test's own check that it can fail)."""
+    target, _ = tiny
+    prefill, _, verify = tiny_engines
+    prompt, first = [1, 40, 41, 42, 43], 44
+    params = SamplingParams(temperature=1.0)
+    handoff = prefill.prefill(prompt, params)
+    thirds: dict[int, list[int]] = {}  # second token -> third tokens
+    for seed in range(DRAWS):
+        seeded = SamplingParams(temperature=1.0, seed=seed)
+        verify.open("r", handoff.payload, first, seeded)
+        (second,) = verify.verify("r", []).token_ids
+        verify.close("r")  # lost with its replica
+        again = prefill.prefill(prompt + [first], seeded)
+        verify.open("r", again.payload, second, reseeded(seeded, 2) if position_seed else seeded)
+        (third,) = verify.verify("r", []).token_ids
+        verify.close("r")
+        thirds.setdefault(second, []).append(third)
+    second, draws = max(thirds.items(), key=lambda kv: len(kv[1]))
+    with torch.inference_mode():
+        logits = target.model(input_ids=torch.tensor([prompt + [first, second]])).logits[0, -1:]
+    p = logits_to_probs(logits.float(), params)[0]  # [vocab_size]
+    counts = torch.bincount(torch.tensor(draws), minlength=TINY_VOCAB_SIZE).float()
+    if position_seed:
+        assert_follows(counts, p)
+    else:
+        with pytest.raises(AssertionError):
+            assert_follows(counts, p)

@@ -83,17 +83,17 @@ def arm(deployment: str, method: str, action: str, after: int = 0) -> str:
     return handle(deployment).arm_fault.remote(method, action, after).result(timeout_s=60)
 
 
-def until(what: str, check, bound_s: float = BOUND_S):
-    """check()'s first truthy value; an error (a replica gone or not back yet) counts as not yet."""
-    deadline = time.monotonic() + bound_s
+def until(what: str, check, bound_s: float = BOUND_S, done=bool):
+    """check()'s first value that is ``done``; an error (a replica gone or not back yet) counts as not yet."""
+    deadline, value = time.monotonic() + bound_s, None
     while True:
         try:
             value = check()
-            if value:
+            if done(value):
                 return value
-        except Exception:  # noqa: BLE001 - a replica that is gone or not yet back: ask again
-            pass
-        assert time.monotonic() < deadline, f"{what}: not within {bound_s}s"
+        except Exception as exc:  # noqa: BLE001 - a replica that is gone or not yet back: ask again
+            value = exc
+        assert time.monotonic() < deadline, f"{what}: not within {bound_s}s (last: {value!r})"
         time.sleep(0.2)
 
 
@@ -102,8 +102,9 @@ def held(deployment: str) -> bool:
 
 
 def open_sessions() -> dict[str, int]:
-    """Sessions open on the Draft and on the Verify replica."""
-    return {d: handle(d).stats.remote().result(timeout_s=60)["sessions"] for d in ("Draft", "Verify")}
+    """Sessions open, and KV bytes held, on the Draft and on the Verify replica."""
+    stats = {d: handle(d).stats.remote().result(timeout_s=60) for d in ("Draft", "Verify")}
+    return {f"{d} {what}": s[what] for d, s in stats.items() for what in ("sessions", "kv_bytes")}
 
 
 @pytest.fixture(scope="session")

@@ -5,6 +5,7 @@ import concurrent.futures
 import pytest
 from ray import serve
 
+from splitspec import soak
 from tests.serving.conftest import MAX_NEW_TOKENS, PROMPTS, make_config, serving, until
 
 pytestmark = pytest.mark.slow
@@ -45,6 +46,16 @@ def test_both_replicas_held_sessions_and_closed_them(client):
     # the ingress sends closes without waiting for them: poll until every session is closed
     until("every session closed", lambda: all(
         s["sessions"] == 0 for deployment in ("Draft", "Verify") for s in _replica_stats(deployment).values()))
+
+
+def test_soak_leaves_nothing_behind(client):
+    """40 requests, 8 at a time, of every kind (unary and streams, every policy, some cancelled, some past a short
+    deadline), over two replicas per stage and two ingress replicas: no unexpected outcome, every session closed,
+    the object store back to its baseline, replica memory flat (splitspec.soak; `splitspec soak` runs 500 x 32)."""
+    report = soak.run(client, [p for p in PROMPTS], requests=40, concurrency=8, seed=1, progress=lambda _: None)
+    assert report["unexpected"] == [], report["unexpected"]
+    assert report["ok"], report["invariants"]
+    assert sum(n for outcome, n in report["outcomes"].items() if outcome.startswith("wait")) > 20, report["outcomes"]
 
 
 def test_client_going_away_closes_its_sessions(client):

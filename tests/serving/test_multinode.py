@@ -6,6 +6,7 @@ from ray import serve
 from ray.util.state import list_actors
 
 from deployments.config import STAGE_LABEL
+from splitspec.cluster import store_stats
 from tests.serving.conftest import PROMPTS, make_config, serving
 
 pytestmark = pytest.mark.slow
@@ -33,7 +34,7 @@ def test_stages_run_on_their_labelled_nodes(client):
 def test_kv_crosses_nodes_by_reference(client, reference):
     (ingress_node,) = {a.node_id for a in list_actors(filters=[("state", "=", "ALIVE")], limit=1000)
                        if a.class_name == "ServeReplica:splitspec:SpecDecodeIngress"}
-    created_before = _store_stats(ingress_node).cumulative_created_bytes
+    created_before = store_stats(ingress_node).cumulative_created_bytes
     for prompt in PROMPTS[:3]:
         response = client.generate(messages=[("user", prompt)], max_new_tokens=16)
         assert list(response.token_ids) == reference(prompt)[:16]
@@ -46,13 +47,7 @@ def test_kv_crosses_nodes_by_reference(client, reference):
         assert ingress_node not in (h["prefill_node"], h["verify_node"])
     # the ingress passed references on, never the bytes: had it resolved one KV, its node's object store would have
     # created a copy of it (objects this large always go through the store)
-    created = _store_stats(ingress_node).cumulative_created_bytes - created_before
+    created = store_stats(ingress_node).cumulative_created_bytes - created_before
     assert created < min(h["kv_bytes"] for h in handoffs), created
 
 
-def _store_stats(node_id: str):
-    """The object store counters of a node (what its raylet reports)."""
-    from ray._private.internal_api import node_stats
-
-    node = next(n for n in ray.nodes() if n["NodeID"] == node_id)
-    return node_stats(node["NodeManagerAddress"], node["NodeManagerPort"], include_memory_info=False).store_stats
