@@ -340,6 +340,26 @@ def cmd_soak(args) -> int:
     return 0 if report["ok"] else 1
 
 
+def cmd_health(args) -> int:
+    """Exit 0 when the Serve gRPC proxy at ``--address`` is healthy and serves the application (a readiness probe)."""
+    import grpc
+    from ray.serve.generated import serve_pb2, serve_pb2_grpc
+
+    with grpc.insecure_channel(args.address) as channel:
+        stub = serve_pb2_grpc.RayServeAPIServiceStub(channel)
+        try:
+            healthz = stub.Healthz(serve_pb2.HealthzRequest(), timeout=args.timeout)
+            apps = stub.ListApplications(serve_pb2.ListApplicationsRequest(), timeout=args.timeout)
+        except grpc.RpcError as exc:
+            print(f"unhealthy: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            return 1
+    if args.app_name not in apps.application_names:
+        print(f"unhealthy: the proxy serves {list(apps.application_names)}, not {args.app_name!r}", file=sys.stderr)
+        return 1
+    print(f"healthy: {healthz.message}; application {args.app_name!r} is served")
+    return 0
+
+
 def cmd_dashboard_snapshot(args) -> int:
     from splitspec import snapshot
 
@@ -436,6 +456,13 @@ def build_parser() -> argparse.ArgumentParser:
     soak_cmd.add_argument("--seed", type=int, default=0, help="draws each request's RPC, policy and client behaviour")
     soak_cmd.add_argument("--request-timeout", type=float, default=600.0, help="client deadline of the other requests")
     soak_cmd.set_defaults(fn=cmd_soak, address=None)  # the checks need this process's Serve handles: a local cluster
+
+    health = sub.add_parser("health", help="exit 0 when the service's gRPC proxy is healthy and serves the app "
+                                           "(Ray Serve's RayServeAPIService Healthz and ListApplications)")
+    health.add_argument("--address", default="127.0.0.1:9000")
+    health.add_argument("--app-name", default="splitspec")
+    health.add_argument("--timeout", type=float, default=5.0, help="seconds per call")
+    health.set_defaults(fn=cmd_health)
 
     serve = sub.add_parser("serve", help="start a local Ray cluster and serve splitspec over gRPC")
     serve.add_argument("--config", help="app config YAML (deployments.config.AppConfig, or a Serve config file)")

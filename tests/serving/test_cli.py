@@ -29,7 +29,17 @@ def test_serve_generate_ctrl_c(tmp_path):
         bad = subprocess.run([BIN / "splitspec", "generate", "hi", "--address", f"127.0.0.1:{port}", "--temperature", "-1"],
                              capture_output=True, text=True, timeout=60, env=env)
         assert bad.returncode == 1 and "INVALID_ARGUMENT" in bad.stderr
+        # the readiness probe of the KubeRay manifest: healthy here; not for an app it does not serve
+        health = subprocess.run([BIN / "splitspec", "health", "--address", f"127.0.0.1:{port}"],
+                                capture_output=True, text=True, timeout=60, env=env)
+        assert health.returncode == 0 and "application 'splitspec' is served" in health.stdout, health.stderr
+        other = subprocess.run([BIN / "splitspec", "health", "--address", f"127.0.0.1:{port}", "--app-name", "nope"],
+                               capture_output=True, text=True, timeout=60, env=env)
+        assert other.returncode == 1 and "not 'nope'" in other.stderr
         code, took = serve.stop(signal.SIGINT, DEFAULT_STOP_TIMEOUT_S + 10)
         assert code == 0, f"exit {code} after {took:.1f}s:\n{serve.log[-3000:]}"
         assert "stopping" in serve.log and "stopped." in serve.log
         assert not serve.leftovers() and not listening_on(port)
+        gone = subprocess.run([BIN / "splitspec", "health", "--address", f"127.0.0.1:{port}", "--timeout", "2"],
+                              capture_output=True, text=True, timeout=60, env=env)
+        assert gone.returncode == 1 and "unhealthy: UNAVAILABLE" in gone.stderr
