@@ -19,6 +19,9 @@ from deployments.routing import ROUTER_CLASS
 from deployments.stages import Draft, Prefill, Verify
 
 GRPC_SERVICER = "splitspec.v1.splitspec_pb2_grpc.add_SpecDecodeServicer_to_server"
+# the standard grpc.health.v1.Health service (Kubernetes' gRPC probes), answered by the ingress's Check
+HEALTH_SERVICER = "grpc_health.v1.health_pb2_grpc.add_HealthServicer_to_server"
+GRPC_SERVICERS = [GRPC_SERVICER, HEALTH_SERVICER]
 # Serve's default health-check period is fine; replicas load models in their constructor.
 STAGE_DEPLOYMENTS = {"prefill": Prefill, "draft": Draft, "verify": Verify}
 

@@ -50,7 +50,8 @@ class FaultPoints:
             raise ValueError(f"arm_fault: method in {self.methods}, action in {ACTIONS}, after >= 0; "
                              f"got {method!r}, {action!r}, {after!r}")
         self.armed = _Armed(method, action, after)
-        self._released = asyncio.Event()
+        if self._released.is_set():  # (a call still held keeps waiting for release())
+            self._released = asyncio.Event()
 
     def release(self) -> None:
         """Let every held call go on, and disarm."""

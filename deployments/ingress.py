@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import dataclasses
+import gc
 import logging
 import time
 from collections import defaultdict, deque
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field
 
 import grpc
 import ray
+from grpc_health.v1 import health_pb2
 from ray import exceptions as ray_exceptions
 from ray import serve
 from ray.serve.handle import DeploymentHandle
@@ -32,7 +34,7 @@ from deployments.stages import model_dirs, rss_bytes
 from deployments.status import RequestDeadlineError, StageUnavailableError, UnauthenticatedError, to_status, unwrap
 from services import eagle_draft
 from services.draft import DRAFTERS, EAGLE_DRAFTER, FEATURE_DRAFTERS, MODEL_DRAFTER
-from services.errors import CapacityError, SessionNotFoundError
+from services.errors import CapacityError, SessionEvictedError, SessionNotFoundError
 from services.loading import check_tokenizers, describe
 from services.loop import PRE_DRAFT_GUESSES, Calls, Results, SpeculativeLoop, StepOutput
 from services.policy import AcceptanceCounts, AdaptiveK, CostModel, RequestGate
@@ -45,9 +47,11 @@ logger = logging.getLogger(__name__)
 PLACEMENT_CHECK_PERIOD_S = 2.0  # how often the ingress re-checks that every stage can be placed
 # Draft-stage failures after which a request goes on without speculation (the answer is the same).
 DRAFT_FAILURES = (StageUnavailableError, CapacityError, SessionNotFoundError, ray_exceptions.RayActorError,
-                  ray_exceptions.ActorUnavailableError)
+                  ray_exceptions.ActorUnavailableError, ray_exceptions.ObjectLostError)
+HEALTH_PROBE_TIMEOUT_S = 2.0  # a stage replica that does not answer a ping this fast counts as down for Check
 RECENT_HANDOFFS = 64  # KV handoffs remembered for `recent_handoffs` (placement checks, debugging)
-# A stage replica that is gone (killed, OOM, node lost) or that lost the session (restarted): the ingress recovers.
+# A stage replica that is gone (killed, OOM, node lost) or that lost the session (restarted): the ingress recovers
+# (``_replica_lost``; a session evicted by a full replica is not one: recovering would evict another).
 REPLICA_LOST = (SessionNotFoundError, ray_exceptions.RayActorError, ray_exceptions.ActorUnavailableError)
 MAX_RECOVERIES = 3  # replicas one request may lose and recover from; one more fails it with UNAVAILABLE
 RETRY_BACKOFF_S = (0.1, 2.0)  # first and longest wait between calls to a stage that has just lost a replica
@@ -58,6 +62,8 @@ class _Sessions:
     """One request's draft and verify sessions as the ingress holds them; replaced when their replica is lost."""
 
     features: bool  # the drafter reads the target's features: the verify session's verdicts carry them
+    verify_sid: str  # the sessions' ids; a reopened session gets a new one (the old may linger on a live replica)
+    draft_sid: str
     draft: DeploymentHandle | None = None  # pinned to the replica that holds the draft session
     verify: DeploymentHandle | None = None  # pinned to the replica that holds the verify session
     tokens: list[int] = field(default_factory=list)  # every token emitted so far: the context after the prompt
@@ -172,6 +178,33 @@ class SpecDecodeIngress:
         return _before(deadline, self._text_steps(plan, timer), lambda: RequestDeadlineError(
             f"the request ran past limits.request_timeout_s ({self.config.limits.request_timeout_s:g}s)"))
 
+    async def Check(self, request: health_pb2.HealthCheckRequest, grpc_context) -> health_pb2.HealthCheckResponse:
+        """grpc.health.v1.Health/Check (Kubernetes' gRPC probe; no token needed): SERVING when the prefill and verify
+        stages can be placed and each has a replica that answers; the draft stage is not needed (without it requests
+        go on without speculation). ``service`` "" or "splitspec.v1.SpecDecode"."""
+        if request.service not in ("", pb.DESCRIPTOR.services_by_name["SpecDecode"].full_name):
+            grpc_context.set_code(grpc.StatusCode.NOT_FOUND)
+            grpc_context.set_details(f"unknown service {request.service!r}")
+            raise LookupError(request.service)
+        essential = [stage for stage in self.unplaceable if stage != "draft"]
+        up = not essential and all(await asyncio.gather(self._answers(self.prefill), self._answers(self.verify)))
+        status = health_pb2.HealthCheckResponse.SERVING if up else health_pb2.HealthCheckResponse.NOT_SERVING
+        return health_pb2.HealthCheckResponse(status=status)
+
+    async def Watch(self, request: health_pb2.HealthCheckRequest, grpc_context):
+        grpc_context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        grpc_context.set_details("Watch is not served: poll Check")
+        raise NotImplementedError("grpc.health.v1.Health/Watch")
+        yield  # (a server stream)
+
+    @staticmethod
+    async def _answers(stage: DeploymentHandle) -> bool:
+        try:
+            await asyncio.wait_for(_awaited(stage.ping.remote()), timeout=HEALTH_PROBE_TIMEOUT_S)
+            return True
+        except Exception:  # noqa: BLE001 - no replica, or none answering: not serving
+            return False
+
     # -- the loop ---------------------------------------------------------------------------------
 
     def _authenticate(self, grpc_context) -> None:
@@ -227,7 +260,7 @@ class SpecDecodeIngress:
         """
         sid, params = plan.session_id, plan.params
         started = None
-        s = _Sessions(features=plan.drafting and plan.drafter in FEATURE_DRAFTERS)
+        s = _Sessions(features=plan.drafting and plan.drafter in FEATURE_DRAFTERS, verify_sid=sid, draft_sid=sid)
         self.active += 1
         try:
             if plan.speculate and plan.adaptive and not plan.overlap:  # where speculation does not pay: no drafter
@@ -254,8 +287,14 @@ class SpecDecodeIngress:
                 except Exception as exc:  # noqa: BLE001 - go on with the target alone
                     self._draft_lost(plan, s, exc, "start")
                 started = None
-            opened = await self._retrying(plan, "verify", lambda: self.verify.open.remote(sid, handoff, params, features),
-                                          first=opening)
+            try:
+                opened = await self._retrying(plan, "verify", lambda: self.verify.open.remote(sid, handoff, params, features),
+                                              first=opening)
+            except Exception as exc:  # noqa: BLE001 - the KV went with its prefill replica: prefill again
+                if not isinstance(unwrap(exc), ray_exceptions.ObjectLostError):
+                    raise
+                self._lost(plan, "prefill", exc, s)
+                opened = await self._open_verify(plan, s, plan.prompt_ids, handoff.first_token, params)
             s.verify = self.verify.options(session_id=pin(opened.replica_id))
             timer.kv_handoff_ms = opened.handoff_ms
             self.metrics.kv_handoff(opened.resolved_bytes, opened.handoff_ms / 1000)
@@ -288,9 +327,9 @@ class SpecDecodeIngress:
             self.active -= 1
             # close both sessions without waiting (also when the client went away or the deadline passed)
             if s.verify is not None:
-                self._detached(s.verify.close.remote, sid)
+                self._detached(s.verify.close.remote, s.verify_sid)
             if s.draft is not None:
-                self._detached(s.draft.close.remote, sid)
+                self._detached(s.draft.close.remote, s.draft_sid)
             elif started is not None:
                 self._close_when_started(sid, started)
             if s.draft_back is not None:
@@ -303,13 +342,14 @@ class SpecDecodeIngress:
 
     async def _execute(self, calls: Calls, plan: api.Plan, s: _Sessions) -> Results:
         """Run one round of the loop's stage calls (both at once when it pre-drafts) and time each."""
-        results, sid = Results(), plan.session_id
+        results = Results()
 
         async def propose():
             start = time.perf_counter()
             p = calls.propose
             try:
-                results.proposal = await self._call("draft", s.draft.propose.remote(sid, p.k, p.accepts, p.forced, p.guesses))
+                results.proposal = await self._call("draft", s.draft.propose.remote(s.draft_sid, p.k, p.accepts, p.forced,
+                                                                                    p.guesses))
                 results.propose_s = time.perf_counter() - start
             except Exception as exc:  # noqa: BLE001 - go on with the target alone
                 self._draft_lost(plan, s, exc, "propose")
@@ -319,12 +359,12 @@ class SpecDecodeIngress:
             while True:
                 start = time.perf_counter()
                 try:
-                    results.verdict = await self._call("verify", s.verify.verify.remote(sid, calls.verify.draft_ids,
+                    results.verdict = await self._call("verify", s.verify.verify.remote(s.verify_sid, calls.verify.draft_ids,
                                                                                         calls.verify.probs))
                     results.verify_s = time.perf_counter() - start
                     return
                 except Exception as exc:  # noqa: BLE001 - a lost replica is recovered from; anything else is raised
-                    if not isinstance(unwrap(exc), REPLICA_LOST):
+                    if not _replica_lost(exc):
                         raise
                     await self._reopen_verify(plan, s, exc)  # then verify the same block again
 
@@ -347,7 +387,7 @@ class SpecDecodeIngress:
                 return await self._call(stage, first if first is not None else make_call())
             except Exception as exc:  # noqa: BLE001 - only a lost replica is retried
                 first = None
-                if not isinstance(unwrap(exc), REPLICA_LOST):
+                if not _replica_lost(exc):
                     raise
                 if give_up is None:
                     self._lost(plan, stage, exc)
@@ -363,7 +403,7 @@ class SpecDecodeIngress:
         if s is not None:
             s.recoveries += 1
             if s.recoveries > MAX_RECOVERIES:
-                raise StageUnavailableError(f"the request lost {MAX_RECOVERIES} stage replicas; retry it") from exc
+                raise StageUnavailableError(f"the request lost more than {MAX_RECOVERIES} stage replicas; retry it") from exc
         logger.warning("request %s: %s replica lost (%s: %s); recovering", plan.request_id, stage,
                        type(unwrap(exc)).__name__, unwrap(exc))
         self.metrics.recovery(stage)
@@ -374,17 +414,30 @@ class SpecDecodeIngress:
         prefill replica, and open the session again on a live verify replica, pending that last token — the state it
         had before the failed call."""
         self._lost(plan, "verify", exc, s)
-        sid, ids = plan.session_id, plan.prompt_ids + s.tokens[:-1]
+        self._detached(s.verify.close.remote, s.verify_sid)  # (a replica that is alive after all frees its KV)
+        s.verify_sid = f"{plan.session_id}#{s.recoveries}"
         params = reseeded(plan.params, len(s.tokens))
-        handoff = await self._retrying(plan, "prefill", lambda: self.prefill.prefill.remote(ids, params, False))
-        handoff = dataclasses.replace(handoff, first_token=s.tokens[-1])  # (prefill's own next token is not used)
-        opened = await self._retrying(plan, "verify", lambda: self.verify.open.remote(sid, handoff, params, s.features))
+        opened = await self._open_verify(plan, s, plan.prompt_ids + s.tokens[:-1], s.tokens[-1], params)
         s.verify = self.verify.options(session_id=pin(opened.replica_id))
+
+    async def _open_verify(self, plan: api.Plan, s: _Sessions, ids: list[int], pending: int, params):
+        """Open verify session ``s.verify_sid`` on a live replica from a prefill of ``ids``, pending ``pending``; a KV
+        lost with its prefill replica (between prefill and open) is prefilled again."""
+        while True:
+            handoff = await self._retrying(plan, "prefill", lambda: self.prefill.prefill.remote(ids, params, False))
+            handoff = dataclasses.replace(handoff, first_token=pending)  # (prefill's own next token is not used)
+            try:
+                return await self._retrying(plan, "verify", lambda: self.verify.open.remote(
+                    s.verify_sid, handoff, params, s.features))
+            except Exception as exc:  # noqa: BLE001
+                if not isinstance(unwrap(exc), ray_exceptions.ObjectLostError):
+                    raise
+                self._lost(plan, "prefill", exc, s)
 
     def _draft_lost(self, plan: api.Plan, s: _Sessions, exc: BaseException, when: str) -> None:
         """Go on with the target alone after a draft-stage failure; if the replica was lost, watch for a live one."""
         self._fall_back(plan, exc, when)
-        if isinstance(unwrap(exc), REPLICA_LOST) and s.draft_back is None and s.recoveries < MAX_RECOVERIES:
+        if _replica_lost(exc) and s.draft_back is None and s.recoveries < MAX_RECOVERIES:
             s.draft_back = asyncio.ensure_future(self._draft_replica_answers())
 
     async def _draft_replica_answers(self) -> bool:
@@ -405,16 +458,19 @@ class SpecDecodeIngress:
         back, s.draft_back = s.draft_back.result(), None
         if not back:
             return
-        sid, ids = plan.session_id, plan.prompt_ids + s.tokens[:-1]
+        ids = plan.prompt_ids + s.tokens[:-1]
         params = reseeded(plan.params, len(s.tokens))
         s.recoveries += 1  # (the loss was logged when the request fell back)
+        if s.draft is not None:
+            self._detached(s.draft.close.remote, s.draft_sid)
+        s.draft_sid = f"{plan.session_id}#{s.recoveries}"
         self.metrics.recovery("draft")
         self.recoveries["draft"] += 1
         try:
             handoff = None
             if s.features:  # the drafter needs the target's features of all those tokens
                 handoff = await self._retrying(plan, "prefill", lambda: self.prefill.prefill.remote(ids, params, True))
-            opened = await self._call("draft", self.draft.start.remote(sid, ids, params, plan.drafter, handoff))
+            opened = await self._call("draft", self.draft.start.remote(s.draft_sid, ids, params, plan.drafter, handoff))
         except Exception as exc:  # noqa: BLE001 - stay with the target alone
             if not isinstance(unwrap(exc), DRAFT_FAILURES + REPLICA_LOST):
                 raise
@@ -516,9 +572,19 @@ class SpecDecodeIngress:
         return {"replica_id": serve.get_replica_context().replica_id.unique_id, "active": self.active,
                 "rss_bytes": rss_bytes(), "recoveries": dict(self.recoveries)}
 
+    async def collect_garbage(self) -> int:
+        """Run Python's cycle collector now (see Stage.collect_garbage); returns what it found."""
+        return gc.collect()
+
     async def recent_handoffs(self) -> list[dict]:
-        """Where the last KV handoffs went: prefill node, verify node, bytes, and what the ingress held."""
+        """Where the last KV handoffs went: prefill node, verify node, bytes resolved, latency."""
         return list(self.handoffs)
+
+
+def _replica_lost(exc: BaseException) -> bool:
+    """A stage call failed because its replica is gone or restarted (recoverable), not because it is full."""
+    cause = unwrap(exc)
+    return isinstance(cause, REPLICA_LOST) and not isinstance(cause, SessionEvictedError)
 
 
 async def _awaited(response):
@@ -540,6 +606,8 @@ async def _before(deadline: float, items: AsyncIterator, error: Callable[[], Exc
                 if timeout.expired():
                     raise error() from None
                 raise
+            if time.monotonic() > deadline:  # (an item that came without waiting, past the deadline)
+                raise error()
             yield item
     finally:
         await items.aclose()

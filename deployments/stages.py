@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import gc
 import itertools
 import logging
 import time
@@ -122,6 +123,16 @@ class _Stage:
         return {"replica_id": _identity()[0], "sessions": sessions, "opened": self.opened, "kv_bytes": kv_bytes,
                 "passes": self.batcher.passes, "largest_pass": self.batcher.largest_pass, "held": self.faults.held,
                 "rss_bytes": rss_bytes()}
+
+    async def collect_garbage(self) -> int:
+        """Run Python's cycle collector now (a soak's check: objects kept only by reference cycles, e.g. a failed
+        call's traceback holding a zero-copy view of the object store, are freed when it runs); returns what it
+        found."""
+        return gc.collect()
+
+    async def ping(self) -> str:
+        """This replica's id, answered on the event loop (not behind an engine pass): it is up."""
+        return _identity()[0]
 
     async def arm_fault(self, method: str, action: str, after: int = 0) -> str:
         """Tests only (faults.enabled): this replica's call of ``method`` number ``after + 1`` exits the process or

@@ -14,7 +14,9 @@ import grpc
 from ray import exceptions as ray_exceptions
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
-from services.errors import CapacityError, InvalidRequestError, ModelMismatchError, SessionNotFoundError, SplitspecError
+from services.errors import (
+    CapacityError, InvalidRequestError, ModelMismatchError, SessionEvictedError, SessionNotFoundError, SplitspecError,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +53,8 @@ def to_status(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.RESOURCE_EXHAUSTED, "the server's request queue is full; retry later"
     if isinstance(exc, StageUnavailableError):
         return grpc.StatusCode.UNAVAILABLE, str(exc)
+    if isinstance(exc, SessionEvictedError):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, f"{exc} (the server holds too many sessions)"
     if isinstance(exc, SessionNotFoundError):
         return grpc.StatusCode.UNAVAILABLE, f"{exc} (a stage replica restarted or evicted it); retry the request"
     if isinstance(exc, (DeploymentUnavailableError, ray_exceptions.RayActorError, ray_exceptions.ActorUnavailableError)):

@@ -21,6 +21,11 @@ class SessionNotFoundError(SplitspecError, KeyError):
         return str(self.args[0]) if self.args else "session not found"
 
 
+class SessionEvictedError(SessionNotFoundError):
+    """The session was evicted to make room for others, or closed after a long time without a call: its replica is
+    alive but full (not a lost replica to recover from)."""
+
+
 class ModelMismatchError(SplitspecError):
     """Two models (or a KV payload and a model) that must match do not."""
 

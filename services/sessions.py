@@ -15,7 +15,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Generic, Protocol, TypeVar
 
-from services.errors import CapacityError, SessionNotFoundError
+from services.errors import CapacityError, SessionEvictedError, SessionNotFoundError
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +81,7 @@ class SessionStore(Generic[S]):
             session = self._sessions[request_id]
         except KeyError:
             if request_id in self._evicted:
-                raise SessionNotFoundError(
+                raise SessionEvictedError(
                     f"{self.kind} session {request_id!r} {self._evicted[request_id]}; retry the request"
                 ) from None
             raise SessionNotFoundError(f"{self.kind} session {request_id!r} is unknown or already closed") from None

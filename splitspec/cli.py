@@ -100,6 +100,7 @@ def cmd_generate_local(args) -> int:
     from services.prefill import PrefillEngine
     from services.sampling import SamplingParams
     from services.verify import VerifyEngine
+    from deployments.config import Limits
 
     target, draft = _load_pair(args)
     ids = chat_ids(target.tokenizer, args.prompt)
@@ -110,7 +111,8 @@ def cmd_generate_local(args) -> int:
     policy = AdaptiveK(CostModel()) if args.k is None else None  # no --k: adaptive, as the server's default
     engines = PrefillEngine(target), draft_engine, VerifyEngine(target)
     tokens, stats = [], SpeculationStats()
-    for step in speculative_decode(*engines, ids, max_new_tokens=args.max_new_tokens, num_draft_tokens=args.k or DEFAULT_MAX_DRAFT_TOKENS,
+    max_new_tokens = args.max_new_tokens or Limits().default_max_new_tokens  # (what the server would use)
+    for step in speculative_decode(*engines, ids, max_new_tokens=max_new_tokens, num_draft_tokens=args.k or DEFAULT_MAX_DRAFT_TOKENS,
                                    params=params, drafter=drafter, policy=policy, overlap=bool(args.overlap), stats=stats):
         before = target.tokenizer.decode(tokens, skip_special_tokens=True)
         tokens += step.token_ids
@@ -328,7 +330,9 @@ def cmd_soak(args) -> int:
     print(f"unexpected: {report['unexpected'] or 'none'}; open after: {report['open_after']}; sessions opened: "
           f"{report['opened_sessions']}")
     store = report["object_store_bytes"]
-    print(f"object store bytes: {store['baseline']} before, {store['after']} after")
+    gc_note = "" if report["garbage_collected"] is None else (
+        f" (after the replicas' cycle collectors found {report['garbage_collected']} objects)")
+    print(f"object store bytes: {store['baseline']} before, {store['after']} after{gc_note}")
     for replica, r in report["rss_bytes"].items():
         print(f"  RSS {replica}: {r['after_warmup'] / 2**20:.0f} MiB after warm-up, {r['after_run'] / 2**20:.0f} MiB "
               f"after the run ({r['growth']:+.1%})")
@@ -341,22 +345,31 @@ def cmd_soak(args) -> int:
 
 
 def cmd_health(args) -> int:
-    """Exit 0 when the Serve gRPC proxy at ``--address`` is healthy and serves the application (a readiness probe)."""
+    """Exit 0 when the Serve gRPC proxy at ``--address`` is healthy, serves the application, and the application's
+    grpc.health.v1 Check says SERVING (a readiness probe)."""
     import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
     from ray.serve.generated import serve_pb2, serve_pb2_grpc
 
     with grpc.insecure_channel(args.address) as channel:
-        stub = serve_pb2_grpc.RayServeAPIServiceStub(channel)
+        serve_api = serve_pb2_grpc.RayServeAPIServiceStub(channel)
         try:
-            healthz = stub.Healthz(serve_pb2.HealthzRequest(), timeout=args.timeout)
-            apps = stub.ListApplications(serve_pb2.ListApplicationsRequest(), timeout=args.timeout)
+            healthz = serve_api.Healthz(serve_pb2.HealthzRequest(), timeout=args.timeout)
+            apps = serve_api.ListApplications(serve_pb2.ListApplicationsRequest(), timeout=args.timeout)
+            if args.app_name not in apps.application_names:
+                print(f"unhealthy: the proxy serves {list(apps.application_names)}, not {args.app_name!r}",
+                      file=sys.stderr)
+                return 1
+            check = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(), metadata=(("application", args.app_name),), timeout=args.timeout)
         except grpc.RpcError as exc:
             print(f"unhealthy: {exc.code().name}: {exc.details()}", file=sys.stderr)
             return 1
-    if args.app_name not in apps.application_names:
-        print(f"unhealthy: the proxy serves {list(apps.application_names)}, not {args.app_name!r}", file=sys.stderr)
+    status = health_pb2.HealthCheckResponse.ServingStatus.Name(check.status)
+    if check.status != health_pb2.HealthCheckResponse.SERVING:
+        print(f"unhealthy: application {args.app_name!r} is {status} (a stage without a live replica)", file=sys.stderr)
         return 1
-    print(f"healthy: {healthz.message}; application {args.app_name!r} is served")
+    print(f"healthy: {healthz.message}; application {args.app_name!r} is {status}")
     return 0
 
 
@@ -494,7 +507,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--raw", action="store_true", help="send the prompt as raw text, not as a chat message")
     gen.add_argument("--local", action="store_true", help="run the engine in this process instead")
     _model_args(gen)
-    gen.add_argument("--max-new-tokens", type=int, default=128)
+    gen.add_argument("--max-new-tokens", type=int, default=None,
+                     help="default: the server's limits.default_max_new_tokens")
     gen.add_argument("--k", type=int, default=None, help="draft tokens per step (0 = speculation off; default: server's)")
     gen.add_argument("--drafter", choices=["model", "eagle", "prompt_lookup"], help="default: the server's")
     gen.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,

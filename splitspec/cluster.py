@@ -157,12 +157,12 @@ def start_serve(grpc_port: int = DEFAULT_GRPC_PORT) -> None:
     from ray import serve
     from ray.serve.config import gRPCOptions
 
-    from deployments.app import GRPC_SERVICER
+    from deployments.app import GRPC_SERVICERS
 
     serve.start(
         proxy_location="HeadOnly",  # one proxy, on the head node: the gRPC port opens once
         http_options={"host": LOCAL_HOST, "port": 0},
-        grpc_options=gRPCOptions(port=grpc_port, grpc_servicer_functions=[GRPC_SERVICER]),
+        grpc_options=gRPCOptions(port=grpc_port, grpc_servicer_functions=GRPC_SERVICERS),
     )
 
 

@@ -51,6 +51,7 @@ EXPECTED = {WAIT: {"OK"}, CANCEL: {"CANCELLED", "OK"}, SHORT_DEADLINE: {"DEADLIN
 RSS_GROWTH = 0.25  # resident memory a replica may gain after the warm-up (allocator noise, not a leak)
 OBJECT_STORE_SLACK_BYTES = 0  # the object store goes back to exactly its baseline
 SETTLE_S = 120.0  # how long the service may take to close everything after the last request
+GC_AFTER_S = 5.0  # idle this long with the store above its baseline: ask the replicas to collect garbage
 
 
 @dataclass
@@ -103,14 +104,25 @@ def _send(client: SpecDecodeClient, p: Planned) -> str:
 
 
 def replica_stats(app: str, replicas_per_deployment: int = 2) -> dict[str, dict[str, dict]]:
-    """deployment -> replica id -> its stats(), for the stages and the ingress (asked often enough to meet every
-    replica: the router spreads the calls)."""
+    """deployment -> replica id -> its stats(), for the stages and the ingress. Draft and Verify replicas (they hold
+    the sessions) are each asked directly, through the session-affinity router; the others often enough that the
+    router meets every replica."""
+    import ray
     from ray import serve
+
+    from deployments.routing import pin
 
     out = {}
     for deployment in ("Prefill", "Draft", "Verify", "SpecDecodeIngress"):
         handle = serve.get_deployment_handle(deployment, app)
-        stats = [handle.stats.remote().result(timeout_s=60) for _ in range(8 * replicas_per_deployment)]
+        if deployment in ("Draft", "Verify"):
+            prefix = f"SERVE_REPLICA::{app}#{deployment}#"
+            ids = [a["name"][len(prefix):] for a in ray.util.list_named_actors(all_namespaces=True)
+                   if a["name"].startswith(prefix)]
+            calls = [handle.options(session_id=pin(replica_id)) for replica_id in ids]
+        else:
+            calls = [handle] * (8 * replicas_per_deployment)
+        stats = [h.stats.remote().result(timeout_s=60) for h in calls]
         out[deployment] = {s["replica_id"]: s for s in stats}
     return out
 
@@ -167,7 +179,8 @@ def run(client: SpecDecodeClient, prompts: list[str], *, requests: int = 500, co
     with ThreadPoolExecutor(concurrency) as pool:
         list(pool.map(one, planned))
     seconds = time.perf_counter() - start
-    after = _settle(app, replicas_per_deployment, baseline_store)
+    collected: list[int] = []
+    after = _settle(app, replicas_per_deployment, baseline_store, collected)
     store_after, rss_after = object_store_bytes(), _rss(after)
     rss = {r: {"after_warmup": baseline_rss[r], "after_run": rss_after[r],
                "growth": round(rss_after[r] / baseline_rss[r] - 1, 4)} for r in baseline_rss if r in rss_after}
@@ -187,16 +200,23 @@ def run(client: SpecDecodeClient, prompts: list[str], *, requests: int = 500, co
         "open_after": open_after,
         "opened_sessions": {d: sum(s["opened"] for s in after[d].values()) for d in ("Draft", "Verify")},
         "object_store_bytes": {"baseline": baseline_store, "after": store_after},
+        "garbage_collected": collected[0] if collected else None,  # objects the replicas' cycle collectors found
         "rss_bytes": rss,
         "invariants": invariants,
         "ok": all(invariants.values()),
     }
 
 
-def _settle(app: str, replicas_per_deployment: int, store_bound: int | None = None) -> dict:
+def _settle(app: str, replicas_per_deployment: int, store_bound: int | None = None,
+            collected: list | None = None) -> dict:
     """The replicas' stats once no session is open and no request runs (and, with ``store_bound``, the object store
-    is back within it); the last stats seen if that does not happen within SETTLE_S."""
-    deadline = time.monotonic() + SETTLE_S
+    is back within it); the last stats seen if that does not happen within SETTLE_S.
+
+    An idle replica's Python may not run its cycle collector for a long time, and a reference cycle (a failed or
+    cancelled call's traceback) can hold a zero-copy view of an object in the store: after GC_AFTER_S idle, every
+    replica is asked to collect its garbage once (counted in ``collected``): what is freed then was not leaked."""
+    start = time.monotonic()
+    deadline, idle_since = start + SETTLE_S, None
     while True:
         stats = replica_stats(app, replicas_per_deployment)
         idle = not any(_open(stats).values())
@@ -204,4 +224,23 @@ def _settle(app: str, replicas_per_deployment: int, store_bound: int | None = No
             return stats
         if time.monotonic() > deadline:
             return stats
+        idle_since = (idle_since or time.monotonic()) if idle else None
+        if idle and collected is not None and not collected and time.monotonic() - idle_since > GC_AFTER_S:
+            collected.append(_collect_garbage(app, stats))
         time.sleep(0.5)
+
+
+def _collect_garbage(app: str, stats: dict) -> int:
+    """Ask every replica in ``stats`` to run Python's cycle collector; the objects it found, in all."""
+    from ray import serve
+
+    from deployments.routing import pin
+
+    found = 0
+    for deployment, replicas in stats.items():
+        handle = serve.get_deployment_handle(deployment, app)
+        if deployment in ("Draft", "Verify"):
+            found += sum(handle.options(session_id=pin(r)).collect_garbage.remote().result(timeout_s=60) for r in replicas)
+        else:
+            found += sum(handle.collect_garbage.remote().result(timeout_s=60) for _ in range(8 * len(replicas)))
+    return found

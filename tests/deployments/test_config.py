@@ -7,7 +7,7 @@ import yaml
 from pydantic import ValidationError
 from ray.serve.schema import ServeDeploySchema
 
-from deployments.app import GRPC_SERVICER, build_app
+from deployments.app import GRPC_SERVICERS, build_app
 from deployments.config import AppConfig
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -17,7 +17,7 @@ CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 def test_shipped_configs_validate(name):
     data = yaml.safe_load((CONFIGS / name).read_text())
     schema = ServeDeploySchema.model_validate(data)
-    assert schema.grpc_options.grpc_servicer_functions == [GRPC_SERVICER]
+    assert schema.grpc_options.grpc_servicer_functions == GRPC_SERVICERS
     app = schema.applications[0]
     assert app.import_path == "deployments.app:build_app"
     AppConfig.model_validate(app.args)

@@ -8,7 +8,7 @@ import ray
 import yaml
 from ray.serve.schema import ServeDeploySchema
 
-from deployments.app import GRPC_SERVICER, build_app
+from deployments.app import GRPC_SERVICERS, build_app
 from deployments.config import STAGES, AppConfig
 from deployments.placement import unplaceable
 from splitspec.cli import build_parser
@@ -47,7 +47,7 @@ def test_a_rayservice_for_this_ray():
 
 def test_serve_config_validates_and_names_the_servicer():
     serve_config = ServeDeploySchema.model_validate(yaml.safe_load(_manifest()["spec"]["serveConfigV2"]))
-    assert serve_config.grpc_options.grpc_servicer_functions == [GRPC_SERVICER]
+    assert serve_config.grpc_options.grpc_servicer_functions == GRPC_SERVICERS
     (app,) = serve_config.applications
     assert app.import_path == "deployments.app:build_app"
     AppConfig.model_validate(app.args)

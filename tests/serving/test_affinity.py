@@ -54,7 +54,7 @@ def test_soak_leaves_nothing_behind(client):
     the object store back to its baseline, replica memory flat (splitspec.soak; `splitspec soak` runs 500 x 32)."""
     report = soak.run(client, [p for p in PROMPTS], requests=40, concurrency=8, seed=1, progress=lambda _: None)
     assert report["unexpected"] == [], report["unexpected"]
-    assert report["ok"], report["invariants"]
+    assert report["ok"], {k: report[k] for k in ("invariants", "object_store_bytes", "open_after", "rss_bytes")}
     assert sum(n for outcome, n in report["outcomes"].items() if outcome.startswith("wait")) > 20, report["outcomes"]
 
 

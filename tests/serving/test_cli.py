@@ -32,7 +32,7 @@ def test_serve_generate_ctrl_c(tmp_path):
         # the readiness probe of the KubeRay manifest: healthy here; not for an app it does not serve
         health = subprocess.run([BIN / "splitspec", "health", "--address", f"127.0.0.1:{port}"],
                                 capture_output=True, text=True, timeout=60, env=env)
-        assert health.returncode == 0 and "application 'splitspec' is served" in health.stdout, health.stderr
+        assert health.returncode == 0 and "application 'splitspec' is SERVING" in health.stdout, health.stderr
         other = subprocess.run([BIN / "splitspec", "health", "--address", f"127.0.0.1:{port}", "--app-name", "nope"],
                                capture_output=True, text=True, timeout=60, env=env)
         assert other.returncode == 1 and "not 'nope'" in other.stderr

@@ -5,6 +5,7 @@ import time
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from splitspec.client import make_request
 from splitspec.cluster import PlacementError, deploy, placements_for
@@ -75,6 +76,17 @@ def test_garbage_bytes_and_oversized_messages_leave_the_service_serving(client):
         client.generate(prompt="z" * (5 * 2**20))
     assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert client.generate(messages=OK_PROMPT, max_new_tokens=4).usage.completion_tokens > 0
+
+
+def test_standard_health_check(client):
+    """grpc.health.v1.Health/Check through the Serve proxy, without a token: SERVING; another service: NOT_FOUND."""
+    health = health_pb2_grpc.HealthStub(client.channel)
+    assert health.Check(health_pb2.HealthCheckRequest(), timeout=30).status == health_pb2.HealthCheckResponse.SERVING
+    request = health_pb2.HealthCheckRequest(service="splitspec.v1.SpecDecode")
+    assert health.Check(request, timeout=30).status == health_pb2.HealthCheckResponse.SERVING
+    with pytest.raises(grpc.RpcError) as err:
+        health.Check(health_pb2.HealthCheckRequest(service="other.Service"), timeout=30)
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
 
 
 def test_good_request_after_bad_ones(client):
@@ -161,6 +173,9 @@ def test_missing_label_fails_fast_and_requests_get_unavailable(client):
                 break
             assert time.monotonic() < deadline, (exc.code(), exc.details())
             time.sleep(1)
+    check = health_pb2_grpc.HealthStub(client.channel).Check(health_pb2.HealthCheckRequest(),
+                                                             metadata=(("application", "broken"),), timeout=30)
+    assert check.status == health_pb2.HealthCheckResponse.NOT_SERVING  # its verify stage has no replica
     from ray import serve
 
     serve.delete("broken", _blocking=False)
