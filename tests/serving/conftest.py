@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import random
 import socket
 import time
 
@@ -29,10 +30,24 @@ MAX_NEW_TOKENS = 24
 BOUND_S = 180  # bounds a wait for a replica to hold a call or come back (seconds in practice)
 
 
+# Ports the tests give the gRPC proxy come from below the kernel's ephemeral range (ip_local_port_range, 32768-60999
+# by default): Ray's own servers bind port 0 and get ephemeral ports, and one of them took a "free" port from that
+# range before the proxy bound it ("Failed to bind to address [::]:46769").
+TEST_PORTS = (20000, 32000)
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port nothing listens on, on any interface (the gRPC proxy binds [::]), outside the ephemeral range."""
+    for _ in range(200):
+        port = random.randrange(*TEST_PORTS)
+        try:
+            for family, host in ((socket.AF_INET6, "::"), (socket.AF_INET, "127.0.0.1")):  # one after the other
+                with socket.socket(family) as probe:
+                    probe.bind((host, port))
+            return port
+        except OSError:
+            continue
+    raise RuntimeError(f"no free port in {TEST_PORTS}")
 
 
 def make_config(**overrides) -> AppConfig:
