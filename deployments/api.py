@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 import uuid
 from dataclasses import dataclass, field
 
@@ -46,6 +47,26 @@ class Plan:
     def drafting(self) -> bool:
         """The request opens a draft session."""
         return self.speculate and not self.declined
+
+
+class Timer:
+    """One request's server-side timings (pb.Timings)."""
+
+    def __init__(self):
+        self.start = time.perf_counter()
+        self.ttft_ms = 0.0
+        self.prefill_ms = 0.0
+        self.kv_handoff_ms = 0.0
+        self.last_emit = self.start  # when the last tokens went out (inter-token latency)
+
+    def seconds(self) -> float:
+        return time.perf_counter() - self.start
+
+    def ms(self) -> float:
+        return (time.perf_counter() - self.start) * 1000
+
+    def timings(self) -> pb.Timings:
+        return pb.Timings(ttft_ms=self.ttft_ms, total_ms=self.ms(), prefill_ms=self.prefill_ms, kv_handoff_ms=self.kv_handoff_ms)
 
 
 def parse(request, config: AppConfig, tokenizer, *, max_context: int, vocab_size: int, drafters=DRAFTERS,

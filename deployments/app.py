@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from ray.serve import Application
-from ray.serve.config import RequestRouterConfig
+from ray.serve.config import BackpressureConfig, RequestRouterConfig
 
 from deployments.config import AppConfig, Placement
 from deployments.ingress import SpecDecodeIngress
@@ -22,6 +22,7 @@ GRPC_SERVICER = "splitspec.v1.splitspec_pb2_grpc.add_SpecDecodeServicer_to_serve
 # the standard grpc.health.v1.Health service (Kubernetes' gRPC probes), answered by the ingress's Check
 HEALTH_SERVICER = "grpc_health.v1.health_pb2_grpc.add_HealthServicer_to_server"
 GRPC_SERVICERS = [GRPC_SERVICER, HEALTH_SERVICER]
+QUEUE_FULL_RETRY_AFTER_S = 1  # what a client told "queue full" (HTTP 429) is asked to wait
 # Serve's default health-check period is fine; replicas load models in their constructor.
 STAGE_DEPLOYMENTS = {"prefill": Prefill, "draft": Draft, "verify": Verify}
 
@@ -45,6 +46,8 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
         num_replicas=config.ingress_replicas,
         max_ongoing_requests=config.limits.max_ongoing_requests,
         max_queued_requests=config.limits.max_queued_requests,
+        # a full queue: HTTP 429 with Retry-After, as the OpenAI API answers (gRPC: RESOURCE_EXHAUSTED either way)
+        backpressure_config=BackpressureConfig(status_code=429, retry_after_s=QUEUE_FULL_RETRY_AFTER_S),
         graceful_shutdown_timeout_s=config.graceful_shutdown_timeout_s,
         ray_actor_options=actor_options(config.ingress_placement),
     )

@@ -121,6 +121,7 @@ class Models(_Strict):
     target: str = Field("", description="target model folder (HF format); empty = the prepared default pair")
     draft: str = Field("", description="draft model folder sharing the target's tokenizer; empty = default pair")
     dtype: str = Field("float32", description="weights dtype: float32, bfloat16 or float16")
+    served_name: str = Field("", description="the model id of the OpenAI-compatible API; empty = the target folder's name")
 
 
 class Stages(_Strict):

@@ -28,6 +28,7 @@ from ray.serve.handle import DeploymentHandle
 from deployments import api, auth
 from deployments.config import AppConfig
 from deployments.metrics import RequestMetrics
+from deployments.openai_api import OpenAIRoutes, http_app
 from deployments.placement import unplaceable
 from deployments.routing import pin
 from deployments.stages import model_dirs, rss_bytes
@@ -71,31 +72,16 @@ class _Sessions:
     draft_back: asyncio.Task | None = None  # after the draft stage was lost: resolves True once a draft replica answers
 
 
-class _Timer:
-    def __init__(self):
-        self.start = time.perf_counter()
-        self.ttft_ms = 0.0
-        self.prefill_ms = 0.0
-        self.kv_handoff_ms = 0.0
-        self.last_emit = self.start  # when the last tokens went out (inter-token latency)
-
-    def seconds(self) -> float:
-        return time.perf_counter() - self.start
-
-    def ms(self) -> float:
-        return (time.perf_counter() - self.start) * 1000
-
-    def timings(self) -> pb.Timings:
-        return pb.Timings(ttft_ms=self.ttft_ms, total_ms=self.ms(), prefill_ms=self.prefill_ms, kv_handoff_ms=self.kv_handoff_ms)
-
-
 @serve.deployment(name="SpecDecodeIngress")
-class SpecDecodeIngress:
+@serve.ingress(http_app)  # the OpenAI-compatible HTTP API (deployments.openai_api) beside the gRPC methods
+class SpecDecodeIngress(OpenAIRoutes):
     def __init__(self, config: dict, prefill: DeploymentHandle, draft: DeploymentHandle, verify: DeploymentHandle):
         self.config = AppConfig.model_validate(config)
         self.prefill, self.draft, self.verify = prefill, draft, verify
         target_dir, draft_dir = model_dirs(self.config)
         self.target = describe(target_dir)
+        self.model_id = self.config.models.served_name or target_dir.name  # the OpenAI API's model
+        self.created = int(time.time())
         check_tokenizers(self.target, draft_dir)
         has_head = eagle_draft.find(draft_dir) is not None  # the draft stage loads it (and checks it fits the target)
         self.drafters = tuple(d for d in DRAFTERS if d != EAGLE_DRAFTER or has_head)
@@ -121,10 +107,10 @@ class SpecDecodeIngress:
     # -- gRPC methods (names match the service's RPCs) ---------------------------------------------
 
     async def Generate(self, request: pb.GenerateRequest, grpc_context) -> pb.GenerateResponse:
-        timer = _Timer()
+        timer = api.Timer()
         deadline = time.monotonic() + self.config.limits.request_timeout_s
         try:
-            self._authenticate(grpc_context)
+            self._authenticate(grpc_context.invocation_metadata())
             plan = await asyncio.get_running_loop().run_in_executor(self._tokenizing, self._plan, request)
             text, token_ids, finish_reason = await self._collect(plan, timer, deadline)
         except asyncio.CancelledError:
@@ -144,10 +130,10 @@ class SpecDecodeIngress:
         )
 
     async def GenerateStream(self, request: pb.GenerateStreamRequest, grpc_context) -> AsyncIterator[pb.GenerateStreamResponse]:
-        timer = _Timer()
+        timer = api.Timer()
         deadline = time.monotonic() + self.config.limits.request_timeout_s
         try:
-            self._authenticate(grpc_context)
+            self._authenticate(grpc_context.invocation_metadata())
             plan = await asyncio.get_running_loop().run_in_executor(self._tokenizing, self._plan, request)
             completion = 0
             async for step, token_ids, text in self._text_steps_before(deadline, plan, timer):
@@ -172,7 +158,7 @@ class SpecDecodeIngress:
         except Exception as exc:  # noqa: BLE001
             self._fail("GenerateStream", grpc_context, exc)
 
-    def _text_steps_before(self, deadline: float, plan: api.Plan, timer: _Timer) -> AsyncIterator:
+    def _text_steps_before(self, deadline: float, plan: api.Plan, timer: api.Timer) -> AsyncIterator:
         """``_text_steps`` until ``deadline`` (time.monotonic()), also while a step is awaited: then the request's
         sessions are closed and RequestDeadlineError is raised."""
         return _before(deadline, self._text_steps(plan, timer), lambda: RequestDeadlineError(
@@ -186,10 +172,14 @@ class SpecDecodeIngress:
             grpc_context.set_code(grpc.StatusCode.NOT_FOUND)
             grpc_context.set_details(f"unknown service {request.service!r}")
             raise LookupError(request.service)
-        essential = [stage for stage in self.unplaceable if stage != "draft"]
-        up = not essential and all(await asyncio.gather(self._answers(self.prefill), self._answers(self.verify)))
+        up = await self._serving()
         status = health_pb2.HealthCheckResponse.SERVING if up else health_pb2.HealthCheckResponse.NOT_SERVING
         return health_pb2.HealthCheckResponse(status=status)
+
+    async def _serving(self) -> bool:
+        """The prefill and verify stages can be placed and each has a replica that answers (Check, /health)."""
+        essential = [stage for stage in self.unplaceable if stage != "draft"]
+        return not essential and all(await asyncio.gather(self._answers(self.prefill), self._answers(self.verify)))
 
     async def Watch(self, request: health_pb2.HealthCheckRequest, grpc_context):
         grpc_context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -207,10 +197,11 @@ class SpecDecodeIngress:
 
     # -- the loop ---------------------------------------------------------------------------------
 
-    def _authenticate(self, grpc_context) -> None:
-        """With auth.token_sha256 set, the call must carry its bearer token (compared in constant time)."""
+    def _authenticate(self, metadata) -> None:
+        """With auth.token_sha256 set, the call's metadata (gRPC) or headers (HTTP) must carry its bearer token
+        (compared in constant time)."""
         expected = self.config.auth.token_sha256
-        if expected and not auth.authenticated(grpc_context.invocation_metadata(), expected):
+        if expected and not auth.authenticated(metadata, expected):
             raise UnauthenticatedError("unauthenticated")
 
     def _plan(self, request) -> api.Plan:
@@ -220,13 +211,13 @@ class SpecDecodeIngress:
         return api.parse(request, self.config, self.target.tokenizer, max_context=self.target.max_context,
                          vocab_size=self.target.vocab_size, drafters=self.drafters, default_drafter=self.default_drafter)
 
-    async def _collect(self, plan: api.Plan, timer: _Timer, deadline: float) -> tuple[str, list[int], str]:
+    async def _collect(self, plan: api.Plan, timer: api.Timer, deadline: float) -> tuple[str, list[int], str]:
         text, token_ids, finish_reason = "", [], ""
         async for step, ids, delta in self._text_steps_before(deadline, plan, timer):
             text, token_ids, finish_reason = text + delta, token_ids + ids, step.finish_reason or finish_reason
         return text, token_ids, finish_reason
 
-    async def _text_steps(self, plan: api.Plan, timer: _Timer) -> AsyncIterator[tuple[StepOutput, list[int], str]]:
+    async def _text_steps(self, plan: api.Plan, timer: api.Timer) -> AsyncIterator[tuple[StepOutput, list[int], str]]:
         """Each step's kept tokens and new text, cut at the first stop sequence (shared by both RPCs)."""
         stream = TextStream(self.target.tokenizer, plan.stop)
         steps = self._speculative_decode(plan, timer)
@@ -252,7 +243,7 @@ class SpecDecodeIngress:
         finally:
             await steps.aclose()  # closes the draft and verify sessions
 
-    async def _speculative_decode(self, plan: api.Plan, timer: _Timer) -> AsyncIterator[StepOutput]:
+    async def _speculative_decode(self, plan: api.Plan, timer: api.Timer) -> AsyncIterator[StepOutput]:
         """prefill, then services.loop's SpeculativeLoop over the draft and verify handles, one StepOutput per step.
 
         A lost prefill or verify replica is recovered from without the client noticing (``_reopen_verify``); a lost

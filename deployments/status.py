@@ -33,6 +33,10 @@ class UnauthenticatedError(SplitspecError):
     """The call did not carry the service's bearer token (deployments.auth)."""
 
 
+class ModelNotFoundError(SplitspecError):
+    """An OpenAI API request names a model this server does not serve (NOT_FOUND: HTTP 404, as OpenAI answers)."""
+
+
 def unwrap(exc: BaseException) -> BaseException:
     """The exception a stage raised, without Ray's RayTaskError wrapper."""
     while isinstance(exc, ray_exceptions.RayTaskError) and exc.cause is not None and exc.cause is not exc:
@@ -45,6 +49,8 @@ def to_status(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     exc = unwrap(exc)
     if isinstance(exc, UnauthenticatedError):
         return grpc.StatusCode.UNAUTHENTICATED, "unauthenticated"  # nothing more: no hint for a caller without the token
+    if isinstance(exc, ModelNotFoundError):
+        return grpc.StatusCode.NOT_FOUND, str(exc)
     if isinstance(exc, InvalidRequestError):
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
     if isinstance(exc, CapacityError):

@@ -169,11 +169,12 @@ def cmd_serve(args) -> int:
             print(f"Ray session: {local.session_dir} (logs in logs/)", flush=True)
         stopper.install()  # ray.init put its own SIGTERM handler in place
         if not stopper.requested.is_set():
-            cluster.start_serve(args.grpc_port)
+            cluster.start_serve(args.grpc_port, args.http_port)
             print(f"deploying {args.app_name!r} ({args.nodes if local else 'existing'} node cluster); models load in the "
                   "replicas ...", flush=True)
         if not stopper.requested.is_set() and cluster.deploy(config, name=args.app_name, stop=stopper.requested):
             print(f"splitspec is serving gRPC on 127.0.0.1:{args.grpc_port} (service splitspec.v1.SpecDecode)", flush=True)
+            print(f"and the OpenAI-compatible API on http://127.0.0.1:{args.http_port}/v1", flush=True)
             if config.auth.token_sha256:
                 print("every call must carry the bearer token (authorization metadata)", flush=True)
             if local is not None and local.dashboard_url:
@@ -474,12 +475,14 @@ def build_parser() -> argparse.ArgumentParser:
     health.add_argument("--timeout", type=float, default=5.0, help="seconds per call")
     health.set_defaults(fn=cmd_health)
 
-    serve = sub.add_parser("serve", help="start a local Ray cluster and serve splitspec over gRPC")
+    serve = sub.add_parser("serve", help="start a local Ray cluster and serve splitspec over gRPC and HTTP (OpenAI API)")
     serve.add_argument("--config", help="app config YAML (deployments.config.AppConfig, or a Serve config file)")
     serve.add_argument("--nodes", type=int, default=1, choices=[1, 3],
                        help="local Ray nodes: 1, or 3 labelled prefill / draft / verify (plus a head node)")
     serve.add_argument("--address", help="deploy onto this existing Ray cluster (e.g. auto) with the config's placement")
     serve.add_argument("--grpc-port", type=int, default=9000)
+    serve.add_argument("--http-port", type=int, default=8000,
+                       help="port of the OpenAI-compatible HTTP API (/v1/chat/completions, ...) on 127.0.0.1")
     serve.add_argument("--auth-token-file", help=f"require this bearer token on every call (default: ${auth.TOKEN_ENV}, "
                        "if set; none = no authentication)")
     serve.add_argument("--app-name", default="splitspec")

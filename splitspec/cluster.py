@@ -23,6 +23,7 @@ from deployments.config import (
 logger = logging.getLogger(__name__)
 
 DEFAULT_GRPC_PORT = 9000
+DEFAULT_HTTP_PORT = 8000  # the OpenAI-compatible HTTP API (Ray Serve's default HTTP port)
 LOCAL_HOST = "127.0.0.1"
 NODE_CPUS = 8  # logical CPUs per local node: replicas reserve 0; real cores are set by each stage's threads
 OBJECT_STORE_BYTES = 512 * 2**20
@@ -152,8 +153,9 @@ class LocalCluster:
         self.stop()
 
 
-def start_serve(grpc_port: int = DEFAULT_GRPC_PORT) -> None:
-    """Start Serve's proxies with splitspec's gRPC service (HTTP stays on 127.0.0.1)."""
+def start_serve(grpc_port: int = DEFAULT_GRPC_PORT, http_port: int = 0) -> None:
+    """Start Serve's proxies: splitspec's gRPC service on ``grpc_port`` and the OpenAI-compatible HTTP API on
+    127.0.0.1:``http_port`` (0: a free port, for benchmarks that do not use it)."""
     from ray import serve
     from ray.serve.config import gRPCOptions
 
@@ -161,7 +163,7 @@ def start_serve(grpc_port: int = DEFAULT_GRPC_PORT) -> None:
 
     serve.start(
         proxy_location="HeadOnly",  # one proxy, on the head node: the gRPC port opens once
-        http_options={"host": LOCAL_HOST, "port": 0},
+        http_options={"host": LOCAL_HOST, "port": http_port},
         grpc_options=gRPCOptions(port=grpc_port, grpc_servicer_functions=GRPC_SERVICERS),
     )
 

@@ -72,15 +72,17 @@ def _merge(into: dict, new: dict) -> None:
 
 @contextlib.contextmanager
 def serving(config: AppConfig, *, nodes: int = 1, dashboard: bool = False):
-    """Start a local cluster of ``nodes`` nodes, deploy ``config`` pinned for it, yield a gRPC client."""
+    """Start a local cluster of ``nodes`` nodes, deploy ``config`` pinned for it, yield a gRPC client (its
+    ``http_base_url`` is the OpenAI-compatible API's, http://127.0.0.1:<port>/v1)."""
     from splitspec import cluster
 
-    port = free_port()
+    port, http_port = free_port(), free_port()
     local = cluster.LocalCluster(nodes=nodes, dashboard=dashboard, log_to_driver=False).start()
     try:
-        cluster.start_serve(port)
+        cluster.start_serve(port, http_port)
         cluster.deploy(cluster.placements_for(nodes, config))
         with SpecDecodeClient(f"127.0.0.1:{port}", timeout_s=300) as client:
+            client.http_base_url = f"http://127.0.0.1:{http_port}/v1"
             yield client
     finally:
         local.stop()

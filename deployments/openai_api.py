@@ -1,0 +1,143 @@
+"""The OpenAI-compatible HTTP API, answered by the ingress through Ray Serve's HTTP proxy (127.0.0.1:8000 by default).
+
+    GET  /v1/models, /v1/models/{model}
+    POST /v1/chat/completions, /v1/completions   stream: true -> server-sent events, then "data: [DONE]"
+    GET  /health                                 200 when serving, else 503 (no token needed)
+
+The routes are methods of ``SpecDecodeIngress`` (it inherits this mixin) and drive the same validation and loop as
+the gRPC methods; ``deployments.openai_protocol`` translates the JSON. Errors are OpenAI error JSON with their HTTP
+status (400 bad input, 401 no token, 404 unknown model, 429 full, 503 stage unavailable, 504 deadline).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from deployments import api
+from deployments import openai_protocol as protocol
+from deployments.status import ModelNotFoundError, to_status
+
+http_app = FastAPI(title="splitspec", version="v1", summary="OpenAI-compatible API of splitspec's speculative decoding")
+CHAT, TEXT = "ChatCompletions", "Completions"  # their `method` label in splitspec_requests
+REQUEST_ID_HEADER = "x-request-id"  # a client's request id, echoed (as vLLM does); else one is made up
+
+
+class OpenAIRoutes:
+    """The HTTP routes of ``SpecDecodeIngress`` (which provides the loop, the tokenizer and the metrics)."""
+
+    @http_app.get("/v1/models")
+    async def list_models(self, request: Request) -> Response:
+        try:
+            self._authenticate(request.headers.items())
+        except Exception as exc:  # noqa: BLE001 - an error becomes its HTTP status here
+            return _error_response(exc)
+        return JSONResponse(protocol.models(self.model_id, self.created, self.target.max_context))
+
+    @http_app.get("/v1/models/{model:path}")
+    async def retrieve_model(self, model: str, request: Request) -> Response:
+        try:
+            self._authenticate(request.headers.items())
+            self._check_model(model)
+        except Exception as exc:  # noqa: BLE001
+            return _error_response(exc)
+        return JSONResponse(protocol.model_card(self.model_id, self.created, self.target.max_context))
+
+    @http_app.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._complete(request, chat=True)
+
+    @http_app.post("/v1/completions")
+    async def completions(self, request: Request) -> Response:
+        return await self._complete(request, chat=False)
+
+    @http_app.get("/health")
+    async def health(self) -> Response:
+        serving = await self._serving()
+        return JSONResponse({"status": "SERVING" if serving else "NOT_SERVING"}, status_code=200 if serving else 503)
+
+    # -- a completion, whole or streamed --------------------------------------------------------------------------
+
+    async def _complete(self, request: Request, *, chat: bool) -> Response:
+        method = CHAT if chat else TEXT
+        timer = api.Timer()
+        deadline = time.monotonic() + self.config.limits.request_timeout_s
+        try:
+            self._authenticate(request.headers.items())
+            body = protocol.parse_body(protocol.ChatCompletionRequest if chat else protocol.CompletionRequest,
+                                       await request.body())
+            self._check_model(body.model)
+            message = protocol.generate_request(body, request.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex)
+            plan = await asyncio.get_running_loop().run_in_executor(self._tokenizing, self._plan, message)
+            include_usage = body.stream_options is not None and body.stream_options.include_usage
+            completion = protocol.Completion(chat, plan, self.model_id, include_usage=include_usage)
+            headers = {REQUEST_ID_HEADER: plan.request_id}
+            if body.stream:
+                steps = self._text_steps_before(deadline, plan, timer)
+                first = await anext(steps)  # prefill's token: what fails up to here still gets its HTTP status
+                return StreamingResponse(self._events(method, completion, first, steps, timer),
+                                         media_type="text/event-stream", headers=headers)
+            text, token_ids, finish_reason = await self._collect(plan, timer, deadline)
+        except asyncio.CancelledError:
+            self.metrics.finished(method, "CANCELLED")
+            raise
+        except Exception as exc:  # noqa: BLE001 - every error becomes its HTTP status here
+            return _error_response(exc, self.metrics, method)
+        self.metrics.finished(method, "ok", timer.seconds())
+        return JSONResponse(completion.response(text, finish_reason, len(token_ids), timer.timings()), headers=headers)
+
+    async def _events(self, method: str, completion: protocol.Completion, first, steps: AsyncIterator,
+                      timer: api.Timer) -> AsyncIterator[str]:
+        """Server-sent events: the role (chat), each step's new text, the finish reason with splitspec's stats, the
+        usage if asked, then [DONE]. An error after the first event is an error event (the status is sent)."""
+        completion_tokens = 0
+        try:
+            if completion.chat:
+                yield _event(completion.chunk("", role=True))
+            item = first
+            while item is not None:
+                step, token_ids, text = item
+                completion_tokens += len(token_ids)
+                if text:
+                    yield _event(completion.chunk(text))
+                if step.finish_reason:
+                    yield _event(completion.chunk(None, step.finish_reason)
+                                 | protocol.extensions(completion.plan, timer.timings()))
+                    if completion.include_usage:
+                        yield _event(completion.usage_chunk(completion_tokens))
+                    self.metrics.finished(method, "ok", timer.seconds())
+                    break
+                item = await anext(steps, None)
+        except asyncio.CancelledError:  # the client went away
+            self.metrics.finished(method, "CANCELLED")
+            raise
+        except Exception as exc:  # noqa: BLE001
+            code, message = to_status(exc)
+            self.metrics.finished(method, code.name)
+            yield _event(protocol.error(code, message)[1])
+        finally:
+            await steps.aclose()  # closes the request's sessions
+        yield protocol.DONE
+
+    def _check_model(self, model: str | None) -> None:
+        if model and model != self.model_id:
+            raise ModelNotFoundError(f"the model {model!r} does not exist: this server serves {self.model_id!r} "
+                                     "(GET /v1/models)")
+
+
+def _event(data: dict) -> str:
+    return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"
+
+
+def _error_response(exc: Exception, metrics=None, method: str = "") -> JSONResponse:
+    code, message = to_status(exc)
+    if metrics is not None:
+        metrics.finished(method, code.name)
+    status, body = protocol.error(code, message)
+    return JSONResponse(body, status_code=status)
