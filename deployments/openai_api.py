@@ -26,7 +26,8 @@ from deployments.status import ModelNotFoundError, to_status
 
 http_app = FastAPI(title="splitspec", version="v1", summary="OpenAI-compatible API of splitspec's speculative decoding")
 CHAT, TEXT = "ChatCompletions", "Completions"  # their `method` label in splitspec_requests
-REQUEST_ID_HEADER = "x-request-id"  # a client's request id, echoed (as vLLM does); else one is made up
+# a client's request id (as vLLM takes it), else one made up; Serve's proxy echoes the header in the response
+REQUEST_ID_HEADER = "x-request-id"
 
 
 class OpenAIRoutes:
@@ -77,12 +78,11 @@ class OpenAIRoutes:
             plan = await asyncio.get_running_loop().run_in_executor(self._tokenizing, self._plan, message)
             include_usage = body.stream_options is not None and body.stream_options.include_usage
             completion = protocol.Completion(chat, plan, self.model_id, include_usage=include_usage)
-            headers = {REQUEST_ID_HEADER: plan.request_id}
             if body.stream:
                 steps = self._text_steps_before(deadline, plan, timer)
                 first = await anext(steps)  # prefill's token: what fails up to here still gets its HTTP status
                 return StreamingResponse(self._events(method, completion, first, steps, timer),
-                                         media_type="text/event-stream", headers=headers)
+                                         media_type="text/event-stream")
             text, token_ids, finish_reason = await self._collect(plan, timer, deadline)
         except asyncio.CancelledError:
             self.metrics.finished(method, "CANCELLED")
@@ -90,7 +90,7 @@ class OpenAIRoutes:
         except Exception as exc:  # noqa: BLE001 - every error becomes its HTTP status here
             return _error_response(exc, self.metrics, method)
         self.metrics.finished(method, "ok", timer.seconds())
-        return JSONResponse(completion.response(text, finish_reason, len(token_ids), timer.timings()), headers=headers)
+        return JSONResponse(completion.response(text, finish_reason, len(token_ids), timer.timings()))
 
     async def _events(self, method: str, completion: protocol.Completion, first, steps: AsyncIterator,
                       timer: api.Timer) -> AsyncIterator[str]:

@@ -1,7 +1,9 @@
-"""Bearer-token authentication through the real gRPC API: no token or a wrong one is UNAUTHENTICATED (no detail
-beyond that), the right one is served; the token itself never reaches the config."""
+"""Bearer-token authentication through the real gRPC and HTTP APIs: no token or a wrong one is UNAUTHENTICATED / 401
+(no detail beyond that), the right one is served; the token itself never reaches the config."""
 
 import grpc
+import httpx2 as httpx
+import openai
 import pytest
 
 from deployments.auth import bearer, read_token, token_digest
@@ -13,10 +15,15 @@ TOKEN = "test-token-0123456789abcdef"
 
 
 @pytest.fixture(scope="module")
-def address():
+def service():
     config = make_config(auth={"token_sha256": token_digest(TOKEN)})
     with serving(config) as client:
-        yield client.address
+        yield client
+
+
+@pytest.fixture(scope="module")
+def address(service):
+    return service.address
 
 
 @pytest.mark.parametrize("token", [None, "wrong-token-0123456789", TOKEN[:-1]])
@@ -51,3 +58,26 @@ def test_token_sources_and_config_checks(tmp_path, monkeypatch):
     assert read_token() == ""
     with pytest.raises(ValueError, match="token_sha256"):
         AppConfig.model_validate({"auth": {"token_sha256": TOKEN}})  # the token itself, not its digest
+
+
+@pytest.mark.parametrize("token", [None, "wrong-token-0123456789"])
+def test_http_calls_without_the_token_get_401(service, token):
+    headers = {"authorization": f"Bearer {token}"} if token else {}
+    for method, path, body in (("GET", "/models", None), ("POST", "/chat/completions", {
+            "messages": [{"role": "user", "content": PROMPTS[0]}], "max_tokens": 4}), ("POST", "/completions", {
+            "prompt": "Hello", "max_tokens": 4, "stream": True})):
+        response = httpx.request(method, service.http_base_url + path, json=body, headers=headers, timeout=60)
+        assert response.status_code == 401
+        assert response.json()["error"] == {"message": "unauthenticated", "type": "authentication_error",
+                                                  "param": None, "code": 401}
+    with openai.OpenAI(base_url=service.http_base_url, api_key=token or "none", max_retries=0) as oai:
+        with pytest.raises(openai.AuthenticationError):
+            oai.models.list()
+    assert httpx.get(service.http_base_url.removesuffix("/v1") + "/health", timeout=60).status_code == 200  # a probe
+
+
+def test_http_calls_with_the_token_are_served(service):
+    with openai.OpenAI(base_url=service.http_base_url, api_key=TOKEN, max_retries=0, timeout=120) as oai:
+        answer = oai.chat.completions.create(model=oai.models.list().data[0].id, max_tokens=4, temperature=0,
+                                             messages=[{"role": "user", "content": PROMPTS[0]}])
+    assert answer.usage.completion_tokens == 4

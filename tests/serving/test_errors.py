@@ -1,9 +1,11 @@
 """Every bad input gets its gRPC status and an actionable message; the service keeps serving; a missing label fails fast."""
 
 import concurrent.futures
+import json
 import time
 
 import grpc
+import httpx2 as httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -14,6 +16,7 @@ from tests.serving.conftest import BOUND_S, arm, handle, held, make_config, open
 pytestmark = pytest.mark.slow
 
 OK_PROMPT = [("user", "What is the capital of France?")]  # (role, content)
+OPENAI_PROMPT = [{"role": role, "content": content} for role, content in OK_PROMPT]
 BAD = [
     (dict(prompt=""), "prompt is empty"),
     (dict(prompt="hi", messages=[("user", "hi")]), "not both"),
@@ -94,14 +97,36 @@ def test_good_request_after_bad_ones(client):
     assert response.usage.completion_tokens > 0
 
 
-def test_queue_full_is_resource_exhausted(client):
-    """One running request (its verify call held) and one queued fill the ingress; the others are refused at once;
-    once the verify call goes on, the two are served."""
+def _grpc_call(client, i):
+    """A streamed request: its chunks, or its status code."""
+    try:
+        return list(client.stream(messages=OK_PROMPT, max_new_tokens=8, speculate=False, request_id=str(i)))
+    except grpc.RpcError as exc:
+        return exc.code()
+
+
+def _http_call(client, i):
+    """The same over the OpenAI API: its events (the last one is [DONE]), or (HTTP status, Retry-After)."""
+    body = {"messages": OPENAI_PROMPT, "max_tokens": 8, "stream": True, "speculation": {"mode": "off"}}
+    with httpx.stream("POST", f"{client.http_base_url}/chat/completions", json=body, timeout=BOUND_S,
+                      headers={"x-request-id": str(i)}) as response:
+        if response.status_code != 200:
+            return response.status_code, response.headers.get("retry-after")
+        return [line for line in response.iter_lines() if line]
+
+
+QUEUE_FULL = {"grpc": (_grpc_call, grpc.StatusCode.RESOURCE_EXHAUSTED, lambda chunks: chunks[-1].finish_reason),
+              "http": (_http_call, (429, "1"), lambda events: events[-1] == "data: [DONE]")}
+
+
+@pytest.mark.parametrize("api", QUEUE_FULL)
+def test_queue_full_is_resource_exhausted(client, api):
+    """One running request (its verify call held) and one queued fill the ingress; the others are refused at once
+    (gRPC RESOURCE_EXHAUSTED; HTTP 429 with Retry-After); once the verify call goes on, the two are served."""
+    send, refusal, complete = QUEUE_FULL[api]
+
     def call(i):
-        try:
-            return list(client.stream(messages=OK_PROMPT, max_new_tokens=8, speculate=False, request_id=str(i)))
-        except grpc.RpcError as exc:
-            return exc.code()
+        return send(client, i)
 
     arm("Verify", "verify", "hold")
     with concurrent.futures.ThreadPoolExecutor(6) as pool:
@@ -110,10 +135,10 @@ def test_queue_full_is_resource_exhausted(client):
         others = [pool.submit(call, i) for i in range(1, 6)]
         refused = until("four requests refused", lambda: [f for f in others if f.done()] if sum(
             f.done() for f in others) == 4 else None)
-        assert [f.result() for f in refused] == [grpc.StatusCode.RESOURCE_EXHAUSTED] * 4
+        assert [f.result() for f in refused] == [refusal] * 4
         handle("Verify").release_fault.remote().result(timeout_s=60)
         served = [running.result(timeout=BOUND_S)] + [f.result(timeout=BOUND_S) for f in others if f not in refused]
-    assert len(served) == 2 and all(chunks[-1].finish_reason for chunks in served), served
+    assert len(served) == 2 and all(complete(answer) for answer in served), served
     assert client.generate(messages=OK_PROMPT, max_new_tokens=4).usage.completion_tokens > 0
 
 
@@ -151,6 +176,25 @@ def test_server_deadline_frees_the_sessions(client, stream):
     assert client.generate(messages=OK_PROMPT, max_new_tokens=4).usage.completion_tokens > 0
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_server_deadline_over_http(client, stream):
+    """Over the OpenAI API the server's deadline is a 504 in OpenAI's error JSON, or, once a stream has begun, an error
+    event and [DONE]; the sessions are closed."""
+    arm("Verify", "verify", "hold", after=2)
+    body = {"messages": OPENAI_PROMPT, "max_tokens": 64, "temperature": 0, "stream": stream}
+    response = httpx.post(f"{client.http_base_url}/chat/completions", json=body, timeout=BOUND_S)
+    expected = f"limits.request_timeout_s ({REQUEST_TIMEOUT_S}s)"
+    if stream:
+        events = [line.removeprefix("data: ") for line in response.iter_lines() if line]
+        assert response.status_code == 200 and events[-1] == "[DONE]"
+        error = json.loads(events[-2])["error"]
+        assert error["type"] == "timeout_error" and error["code"] == 504 and expected in error["message"]
+    else:
+        assert response.status_code == 504 and expected in response.json()["error"]["message"]
+    until("sessions closed, KV freed", open_sessions, done=lambda held: not any(held.values()))
+    handle("Verify").release_fault.remote().result(timeout_s=60)
+
+
 def test_missing_label_fails_fast_and_requests_get_unavailable(client):
     """A stage pinned to a label no node has is reported by name within the bound; its app answers UNAVAILABLE."""
     config = placements_for(1, make_config(placement_timeout_s=3))
@@ -176,6 +220,10 @@ def test_missing_label_fails_fast_and_requests_get_unavailable(client):
     check = health_pb2_grpc.HealthStub(client.channel).Check(health_pb2.HealthCheckRequest(),
                                                              metadata=(("application", "broken"),), timeout=30)
     assert check.status == health_pb2.HealthCheckResponse.NOT_SERVING  # its verify stage has no replica
+    root = client.http_base_url.removesuffix("/v1") + "/broken"  # the app's route prefix
+    response = httpx.post(f"{root}/v1/chat/completions", json={"messages": OPENAI_PROMPT, "max_tokens": 4}, timeout=60)
+    assert response.status_code == 503 and "splitspec.io/accelerator=nowhere" in response.json()["error"]["message"]
+    assert httpx.get(f"{root}/health", timeout=60).status_code == 503
     from ray import serve
 
     serve.delete("broken", _blocking=False)

@@ -1,0 +1,115 @@
+"""OpenAI bodies translate to the splitspec.v1 request the gRPC API would send, unsupported fields are refused by name,
+and responses, chunks and errors have OpenAI's shapes and HTTP statuses."""
+
+import grpc
+import pytest
+
+from deployments import api
+from deployments import openai_protocol as protocol
+from deployments.status import ModelNotFoundError, RequestDeadlineError, StageUnavailableError, to_status
+from services.errors import CapacityError, InvalidRequestError
+from services.sampling import SamplingParams
+from splitspec.v1 import splitspec_pb2 as pb
+
+CHAT = protocol.ChatCompletionRequest
+TEXT = protocol.CompletionRequest
+
+
+def chat_body(**fields) -> bytes:
+    import json
+
+    return json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]} | fields).encode()
+
+
+def request_of(model, raw: bytes) -> pb.GenerateRequest:
+    return protocol.generate_request(protocol.parse_body(model, raw), "r1")
+
+
+def test_chat_body_becomes_the_grpc_request():
+    request = request_of(CHAT, chat_body(
+        messages=[{"role": "developer", "content": "Be brief."},
+                  {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
+        max_tokens=9, max_completion_tokens=7, temperature=0, top_p=0.9, top_k=-1, seed=3, stop="\n", user="ignored",
+        speculation={"mode": "on", "num_draft_tokens": 2, "drafter": "model", "overlap": True}))
+    assert [(m.role, m.content) for m in request.messages] == [("system", "Be brief."), ("user", "a\nb")]
+    assert request.max_new_tokens == 7  # max_completion_tokens wins over the deprecated max_tokens
+    assert (request.temperature, request.top_k, request.seed, list(request.stop)) == (0.0, 0, 3, ["\n"])
+    assert request.top_p == pytest.approx(0.9)
+    assert request.speculation == pb.SpeculationPolicy(mode=pb.SpeculationPolicy.MODE_ON, num_draft_tokens=2,
+                                                       drafter="model", overlap=True)
+
+
+def test_openai_defaults():
+    """Unset temperature samples at 1 (OpenAI's default); chat leaves max tokens to the server, completions take 16."""
+    chat = request_of(CHAT, chat_body())
+    assert chat.temperature == 1.0 and not chat.HasField("max_new_tokens") and not chat.HasField("seed")
+    assert not chat.HasField("top_p") and chat.speculation == pb.SpeculationPolicy()
+    text = request_of(TEXT, b'{"model": "m", "prompt": ["Once upon a time"]}')
+    assert text.prompt == "Once upon a time" and text.max_new_tokens == protocol.COMPLETIONS_DEFAULT_MAX_TOKENS
+
+
+@pytest.mark.parametrize("model,raw,message", [
+    (CHAT, chat_body(n=2), "n: not supported by splitspec (splitspec returns one choice per request)"),
+    (CHAT, chat_body(logprobs=True, top_logprobs=2), "logprobs, top_logprobs: not supported"),
+    (CHAT, chat_body(tool_choice="auto"), "tool_choice: not supported"),
+    (CHAT, chat_body(response_format={"type": "json_object"}), "response_format: not supported"),
+    (CHAT, chat_body(frequency_penalty=1, logit_bias={"5": 1}), "frequency_penalty, logit_bias: not supported"),
+    (CHAT, chat_body(stream_options={"include_usage": True}), "stream_options is only allowed when stream is true"),
+    (CHAT, chat_body(messages=[{"role": "tool", "content": "x"}]), "role must be one of"),
+    (CHAT, chat_body(messages=[{"role": "user", "content": [{"type": "input_audio"}]}]), "['input_audio'] are not supported"),
+    (CHAT, chat_body(speculation={"mode": "on", "k": 3}), "speculation.k: Extra inputs are not permitted"),
+    (CHAT, chat_body(seed=-1), "seed: Input should be greater than or equal to 0"),
+    (CHAT, b"{oops", "invalid request body"),
+    (TEXT, b'{"prompt": "a", "echo": true, "best_of": 2}', "echo, best_of: not supported"),
+    (TEXT, b'{"prompt": "a", "suffix": "z"}', "suffix: not supported"),
+    (TEXT, b'{"prompt": "a", "logprobs": 0}', "logprobs: not supported"),
+    (TEXT, b'{"prompt": ["a", "b"]}', "prompt has 2 strings: send one prompt per request"),
+    (TEXT, b'{"prompt": [[1, 2]]}', "token-id prompts are not supported"),
+    (TEXT, b'{"model": "m"}', "prompt: Field required"),
+])
+def test_refused_with_the_field_named(model, raw, message):
+    with pytest.raises(InvalidRequestError) as err:
+        request_of(model, raw)
+    assert message in str(err.value)
+
+
+def plan(**kwargs) -> api.Plan:
+    return api.Plan(request_id="r1", session_id="r1/s", prompt_ids=[1, 2, 3], params=SamplingParams(), max_new_tokens=4,
+                    stop=[], speculate=True, num_draft_tokens=3, drafter="eagle", **kwargs)
+
+
+def test_responses_and_chunks_have_openai_shapes():
+    p = plan()
+    p.stats.steps, p.stats.drafted, p.stats.accepted = 2, 6, 4
+    chat = protocol.Completion(True, p, "m", include_usage=True)
+    whole = chat.response("Paris.", api.FINISH_STOP_SEQUENCE, 2, pb.Timings(ttft_ms=5))
+    assert whole["id"] == "chatcmpl-r1" and whole["object"] == "chat.completion"
+    assert whole["choices"] == [{"index": 0, "message": {"role": "assistant", "content": "Paris."}, "logprobs": None,
+                                 "finish_reason": "stop"}]
+    assert whole["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+    assert whole["speculation_stats"]["accepted"] == 4 and whole["speculation_stats"]["drafter"] == "eagle"
+    assert whole["timings"]["ttft_ms"] == 5
+    assert chat.chunk("", role=True)["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert chat.chunk("Par")["choices"][0]["delta"] == {"content": "Par"} and chat.chunk("Par")["usage"] is None
+    assert chat.chunk(None, "length")["choices"][0] == {"index": 0, "delta": {}, "logprobs": None,
+                                                              "finish_reason": "length"}
+    assert chat.usage_chunk(2)["choices"] == [] and chat.usage_chunk(2)["usage"]["total_tokens"] == 5
+    text = protocol.Completion(False, p, "m")
+    assert text.id == "cmpl-r1" and text.chunk("is")["object"] == "text_completion"
+    assert text.chunk("is")["choices"][0]["text"] == "is" and "usage" not in text.chunk("is")
+
+
+@pytest.mark.parametrize("exc,status,kind", [
+    (InvalidRequestError("bad"), 400, "invalid_request_error"),
+    (ModelNotFoundError("no such model"), 404, "not_found_error"),
+    (CapacityError("full"), 429, "rate_limit_error"),
+    (StageUnavailableError("verify down"), 503, "service_unavailable_error"),
+    (RequestDeadlineError("too long"), 504, "timeout_error"),
+    (RuntimeError("boom"), 500, "server_error"),
+])
+def test_errors_map_to_http_status_and_openai_json(exc, status, kind):
+    code, message = to_status(exc)
+    got_status, body = protocol.error(code, message)
+    assert (got_status, body["error"]["type"]) == (status, kind)
+    assert body["error"]["message"] == message and "boom" not in message  # an internal error says only its reference
+    assert protocol.error(grpc.StatusCode.UNAUTHENTICATED, "unauthenticated")[0] == 401

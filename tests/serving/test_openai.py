@@ -1,0 +1,154 @@
+"""The OpenAI-compatible HTTP API, through the real `openai` client and Serve's HTTP proxy: greedy chat equals the gRPC
+answer and the target alone, streamed deltas concatenate to the whole answer, usage counts match, bad input is a 400
+in OpenAI's error JSON, and the service goes on serving."""
+
+import httpx2 as httpx
+import openai
+import pytest
+
+from tests.serving.conftest import MAX_NEW_TOKENS, PROMPTS, make_config, serving
+
+pytestmark = pytest.mark.slow
+
+MODEL = "SmolLM2-135M-Instruct"  # the default pair's target: its folder's name is the served model id
+SPECULATION = [{"mode": "off"}, {"mode": "on", "num_draft_tokens": 3, "drafter": "model"}, {"mode": "default"}]
+
+
+@pytest.fixture(scope="module")
+def client():
+    with serving(make_config()) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def oai(client):
+    with openai.OpenAI(base_url=client.http_base_url, api_key="not-checked-here", max_retries=0, timeout=300) as oai:
+        yield oai
+
+
+def chat(oai, prompt: str, **kwargs):
+    return oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt}], **kwargs)
+
+
+def test_models(oai):
+    assert [m.id for m in oai.models.list()] == [MODEL]
+    card = oai.models.retrieve(MODEL)
+    assert card.owned_by == "splitspec" and card.model_extra["max_model_len"] > 0
+    with pytest.raises(openai.NotFoundError):
+        oai.models.retrieve("gpt-4o")
+
+
+@pytest.mark.parametrize("speculation", SPECULATION, ids=[s["mode"] + s.get("drafter", "") for s in SPECULATION])
+def test_greedy_chat_equals_grpc_and_target_alone(client, oai, reference, speculation):
+    for prompt in PROMPTS[:4]:
+        answer = chat(oai, prompt, temperature=0, max_tokens=MAX_NEW_TOKENS, extra_body={"speculation": speculation})
+        grpc_answer = client.generate(messages=[("user", prompt)], max_new_tokens=MAX_NEW_TOKENS)
+        assert list(grpc_answer.token_ids) == reference(prompt)
+        assert answer.choices[0].message.content == grpc_answer.text, prompt
+        assert answer.choices[0].message.role == "assistant" and answer.choices[0].finish_reason in ("stop", "length")
+        assert answer.usage.completion_tokens == len(grpc_answer.token_ids)
+        assert answer.usage.prompt_tokens == grpc_answer.usage.prompt_tokens
+        assert answer.usage.total_tokens == answer.usage.prompt_tokens + answer.usage.completion_tokens
+        stats = answer.model_extra["speculation_stats"]
+        assert stats["enabled"] == (speculation["mode"] != "off")
+        assert stats["accepted"] <= stats["drafted"]
+        if speculation["mode"] == "on":
+            assert stats["drafter"] == "model" and stats["num_draft_tokens"] == 3 and not stats["adaptive"]
+
+
+@pytest.mark.parametrize("include_usage", [False, True])
+def test_stream_deltas_concatenate_to_the_answer(oai, include_usage):
+    options = {"stream_options": {"include_usage": True}} if include_usage else {}
+    for prompt in PROMPTS[4:7]:
+        whole = chat(oai, prompt, temperature=0, max_tokens=MAX_NEW_TOKENS)
+        chunks = list(chat(oai, prompt, temperature=0, max_tokens=MAX_NEW_TOKENS, stream=True, **options))
+        choices = [c.choices[0] for c in chunks if c.choices]
+        assert choices[0].delta.role == "assistant"
+        assert "".join(c.delta.content or "" for c in choices) == whole.choices[0].message.content
+        assert [c.finish_reason for c in choices] == [None] * (len(choices) - 1) + [whole.choices[0].finish_reason]
+        finished = [c for c in chunks if c.choices and c.choices[0].finish_reason][0]
+        assert finished.model_extra["speculation_stats"]["steps"] > 0
+        assert len({c.id for c in chunks}) == 1 and chunks[0].object == "chat.completion.chunk"
+        if include_usage:  # the last chunk, without choices, carries it; the others carry null
+            assert not chunks[-1].choices and chunks[-1].usage == whole.usage
+            assert all(c.usage is None for c in chunks[:-1])
+        else:
+            assert all(c.usage is None for c in chunks)
+
+
+def test_completions_with_stop_and_stream(client, oai):
+    prompt = "The three primary colors are"
+    grpc_answer = client.generate(prompt=prompt, max_new_tokens=MAX_NEW_TOKENS)
+    answer = oai.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=MAX_NEW_TOKENS)
+    assert answer.object == "text_completion" and answer.choices[0].text == grpc_answer.text
+    assert answer.usage.completion_tokens == len(grpc_answer.token_ids)
+    streamed = oai.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=MAX_NEW_TOKENS, stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == grpc_answer.text
+    assert len(oai.completions.create(model=MODEL, prompt=prompt, temperature=0).choices[0].text) > 0  # 16 tokens
+    stop = grpc_answer.text.strip().split()[1]  # a word of the answer: generation ends before it
+    stopped = oai.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=MAX_NEW_TOKENS, stop=stop)
+    assert stopped.choices[0].finish_reason == "stop" and stop not in stopped.choices[0].text
+    assert grpc_answer.text.startswith(stopped.choices[0].text)
+
+
+def test_seeded_sampling_is_reproducible_and_matches_grpc(client, oai):
+    """With k pinned (an adaptive k changes which draws are made), a seed gives the same answer as through gRPC."""
+    kwargs = dict(temperature=0.9, top_p=0.95, seed=1234, max_tokens=MAX_NEW_TOKENS,
+                  extra_body={"speculation": {"mode": "on", "num_draft_tokens": 3, "drafter": "eagle"}})
+    first, second = (chat(oai, PROMPTS[1], **kwargs).choices[0].message.content for _ in range(2))
+    grpc_answer = client.generate(messages=[("user", PROMPTS[1])], max_new_tokens=MAX_NEW_TOKENS, temperature=0.9,
+                                  top_p=0.95, seed=1234, num_draft_tokens=3, drafter="eagle")
+    assert first == second == grpc_answer.text
+
+
+BAD = [  # (body fields over a good chat request, status, words of the message)
+    (dict(n=2), 400, "n: not supported"),
+    (dict(max_tokens=0), 400, "max_tokens"),
+    (dict(max_tokens=100_000), 400, "limit"),
+    (dict(temperature=-1), 400, "temperature must be >= 0"),
+    (dict(top_p=0), 400, "top_p must be in (0, 1]"),
+    (dict(messages=[]), 400, "messages"),
+    (dict(messages=[{"role": "tool", "content": "x"}]), 400, "role"),
+    (dict(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]), 400, "send text"),
+    (dict(logprobs=True), 400, "logprobs: not supported"),
+    (dict(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools: not supported"),
+    (dict(presence_penalty=0.5), 400, "presence_penalty: not supported"),
+    (dict(stream=False, stream_options={"include_usage": True}), 400, "only allowed when stream is true"),
+    (dict(stop=[""]), 400, "stop sequences"),
+    (dict(speculation={"mode": "sometimes"}), 400, "speculation.mode"),
+    (dict(speculation={"drafter": "oracle"}), 400, "unknown drafter"),
+    (dict(speculation={"num_draft_tokens": 17}), 400, "num_draft_tokens (k) must be"),
+    (dict(model="gpt-4o"), 404, "does not exist"),
+]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+@pytest.mark.parametrize("fields,status,message", BAD, ids=[m for _, _, m in BAD])
+def test_bad_input_gets_its_status_in_openai_error_json(client, fields, status, message, stream):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": stream} | fields
+    response = httpx.post(f"{client.http_base_url}/chat/completions", json=body, timeout=120)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert message in error["message"] and error["type"] in ("invalid_request_error", "not_found_error")
+
+
+def test_bad_input_through_the_openai_client_and_service_goes_on(client, oai):
+    with pytest.raises(openai.BadRequestError) as err:
+        chat(oai, "hi", n=3)
+    assert "one choice per request" in err.value.message
+    with pytest.raises(openai.BadRequestError):
+        oai.completions.create(model=MODEL, prompt=[1, 2, 3])
+    for raw in (b"{not json", b"[]", b'{"model": "x"}'):
+        response = httpx.post(f"{client.http_base_url}/chat/completions", content=raw, timeout=60,
+                              headers={"content-type": "application/json"})
+        assert response.status_code in (400, 404) and "error" in response.json()
+    assert chat(oai, "hi", temperature=0, max_tokens=4).usage.completion_tokens == 4
+
+
+def test_request_id_header_and_health(client):
+    response = httpx.post(f"{client.http_base_url}/completions", headers={"x-request-id": "my-request-7"}, timeout=120,
+                          json={"model": MODEL, "prompt": "Hello", "max_tokens": 2, "temperature": 0})
+    assert response.status_code == 200 and response.headers["x-request-id"] == "my-request-7"
+    assert response.json()["id"] == "cmpl-my-request-7"
+    health = httpx.get(client.http_base_url.removesuffix("/v1") + "/health", timeout=60)
+    assert health.status_code == 200 and health.json() == {"status": "SERVING"}
