@@ -33,7 +33,8 @@ BATCH_SIZE = [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64]
 
 # name -> (kind, description, tag keys); the dashboards may use exactly these (tests check both ways).
 METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
-    "splitspec_requests": ("counter", "Requests finished, by RPC method and outcome (ok or a gRPC status name).", ("method", "outcome")),
+    "splitspec_requests": ("counter", "Requests finished, by method (a gRPC RPC, or ChatCompletions / Completions of "
+                           "the OpenAI API) and outcome (ok or a gRPC status name).", ("method", "outcome")),
     "splitspec_prompt_tokens": ("counter", "Prompt tokens of requests that started generating.", ()),
     "splitspec_generated_tokens": ("counter", "Tokens sent to clients.", ()),
     "splitspec_verify_steps": ("counter", "Verify steps (target forward passes after prefill).", ()),

@@ -79,3 +79,10 @@ def test_readiness_probe_runs_splitspec_health_on_the_grpc_port():
     assert args.fn.__name__ == "cmd_health"
     grpc_port = yaml.safe_load(_manifest()["spec"]["serveConfigV2"])["grpc_options"]["port"]
     assert args.address.endswith(f":{grpc_port}") and {"containerPort": grpc_port, "name": "grpc"} in head["ports"]
+
+
+def test_the_head_exposes_the_openai_api_on_the_serve_port():
+    (head,) = _groups()["head"]["template"]["spec"]["containers"]
+    http = yaml.safe_load(_manifest()["spec"]["serveConfigV2"])["http_options"]
+    assert http["host"] == "0.0.0.0"  # in a pod: reachable through the Service (and kubectl port-forward)
+    assert {"containerPort": http["port"], "name": "serve"} in head["ports"]  # KubeRay's serve Service targets it

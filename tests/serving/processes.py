@@ -45,7 +45,11 @@ class ServeProcess:
     """``with ServeProcess(tmp_path, "--grpc-port", "9000") as serve: serve.wait_for(SERVING); serve.stop(SIGINT)``."""
 
     def __init__(self, log_dir: Path, *args: str, env: dict | None = None):
+        from tests.serving.conftest import free_port
+
         self.log_path = log_dir / f"serve-{time.monotonic_ns()}.log"
+        if "--http-port" not in args:  # not the default 8000: something else on the machine may hold it
+            args = (*args, "--http-port", str(free_port()))
         self.args = [str(BIN / "splitspec"), "serve", "--no-dashboard", *args]
         self.env = {**os.environ, "RAY_AUTH_MODE": "disabled", **(env or {})}
         self.proc: subprocess.Popen | None = None

@@ -1,9 +1,11 @@
-"""`splitspec serve` prints its addresses, `splitspec generate` streams an answer through it, Ctrl-C stops it cleanly."""
+"""`splitspec serve` prints its addresses, `splitspec generate` streams an answer through it, its OpenAI API answers
+on --http-port, Ctrl-C stops it cleanly."""
 
 import os
 import signal
 import subprocess
 
+import httpx2 as httpx
 import pytest
 
 from splitspec.stopping import DEFAULT_STOP_TIMEOUT_S
@@ -15,11 +17,16 @@ pytestmark = pytest.mark.slow
 
 
 def test_serve_generate_ctrl_c(tmp_path):
-    port = free_port()
+    port, http_port = free_port(), free_port()
     env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
-    with ServeProcess(tmp_path, "--grpc-port", str(port)) as serve:
+    with ServeProcess(tmp_path, "--grpc-port", str(port), "--http-port", str(http_port)) as serve:
         serve.wait_for(SERVING)
         assert f"127.0.0.1:{port}" in serve.log and "Ray session: " in serve.log
+        assert f"OpenAI-compatible API on http://127.0.0.1:{http_port}/v1" in serve.log
+        answer = httpx.post(f"http://127.0.0.1:{http_port}/v1/chat/completions", timeout=120, json={
+            "messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 16,
+            "temperature": 0})
+        assert answer.status_code == 200 and "Paris" in answer.json()["choices"][0]["message"]["content"]
         assert exposed_sockets(serve.leftovers(), port) == []  # Ray's own servers listen on loopback only
         out = subprocess.run([BIN / "splitspec", "generate", "What is the capital of France?", "--address",
                               f"127.0.0.1:{port}", "--max-new-tokens", "16", "--k", "2"],
@@ -39,7 +46,7 @@ def test_serve_generate_ctrl_c(tmp_path):
         code, took = serve.stop(signal.SIGINT, DEFAULT_STOP_TIMEOUT_S + 10)
         assert code == 0, f"exit {code} after {took:.1f}s:\n{serve.log[-3000:]}"
         assert "stopping" in serve.log and "stopped." in serve.log
-        assert not serve.leftovers() and not listening_on(port)
+        assert not serve.leftovers() and not listening_on(port) and not listening_on(http_port)
         gone = subprocess.run([BIN / "splitspec", "health", "--address", f"127.0.0.1:{port}", "--timeout", "2"],
                               capture_output=True, text=True, timeout=60, env=env)
         assert gone.returncode == 1 and "unhealthy: UNAVAILABLE" in gone.stderr
