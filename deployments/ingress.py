@@ -558,10 +558,11 @@ class SpecDecodeIngress(OpenAIRoutes):
         return state
 
     async def stats(self) -> dict:
-        """This replica: requests running, resident memory, and the lost stage replicas it has recovered from, by
-        stage (``draft_replica_answered``: times a request that lost its draft replica found a live one)."""
+        """This replica: requests running, resident memory, the lost stage replicas it has recovered from, by
+        stage (``draft_replica_answered``: times a request that lost its draft replica found a live one), and the
+        requests it has finished, by "<method> <outcome>" (as splitspec_requests_total counts them)."""
         return {"replica_id": serve.get_replica_context().replica_id.unique_id, "active": self.active,
-                "rss_bytes": rss_bytes(), "recoveries": dict(self.recoveries)}
+                "rss_bytes": rss_bytes(), "recoveries": dict(self.recoveries), "requests": dict(self.metrics.outcomes)}
 
     async def collect_garbage(self) -> int:
         """Run Python's cycle collector now (see Stage.collect_garbage); returns what it found."""

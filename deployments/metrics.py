@@ -20,6 +20,7 @@ counters, latencies are histograms, and ratios are computed in PromQL:
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Iterable
 
 from ray.serve.metrics import Counter, Gauge, Histogram
@@ -100,6 +101,7 @@ class RequestMetrics:
 
     def __init__(self):
         self.m = Metrics(name for name in METRICS if name not in REPLICA_METRICS)
+        self.outcomes: collections.Counter[str] = collections.Counter()  # "<method> <outcome>" -> requests (the ingress's stats(), tests)
 
     def started(self, prompt_tokens: int) -> None:
         self.m.inc("splitspec_prompt_tokens", prompt_tokens)
@@ -147,6 +149,7 @@ class RequestMetrics:
 
     def finished(self, method: str, outcome: str, latency_s: float | None = None) -> None:
         self.m.inc("splitspec_requests", method=method, outcome=outcome)
+        self.outcomes[f"{method} {outcome}"] += 1
         if latency_s is not None:
             self.m.observe("splitspec_request_latency_seconds", latency_s)
 

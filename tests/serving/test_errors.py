@@ -1,5 +1,6 @@
 """Every bad input gets its gRPC status and an actionable message; the service keeps serving; a missing label fails fast."""
 
+import collections
 import concurrent.futures
 import json
 import time
@@ -193,6 +194,31 @@ def test_server_deadline_over_http(client, stream):
         assert response.status_code == 504 and expected in response.json()["error"]["message"]
     until("sessions closed, KV freed", open_sessions, done=lambda held: not any(held.values()))
     handle("Verify").release_fault.remote().result(timeout_s=60)
+
+
+def _finished() -> collections.Counter:
+    """Requests the ingress has finished, by "<method> <outcome>"."""
+    return collections.Counter(handle("SpecDecodeIngress").stats.remote().result(timeout_s=60)["requests"])
+
+
+def test_http_client_gone_mid_stream_frees_the_sessions(client):
+    """An OpenAI-API client that closes its stream while a verify call holds: the request is cancelled (not ended by
+    the server's deadline), its draft and verify sessions are closed, and the service goes on."""
+    before = _finished()
+    arm("Verify", "verify", "hold", after=2)
+    body = {"messages": OPENAI_PROMPT, "max_tokens": 64, "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"{client.http_base_url}/chat/completions", json=body, timeout=BOUND_S) as response:
+        assert response.status_code == 200
+        until("the verify call held", lambda: held("Verify"))
+        assert any(line.startswith("data: {") for line in response.iter_lines())  # (the first events came)
+    # the connection is closed: Serve cancels the request
+    until("the request cancelled", lambda: _finished()["ChatCompletions CANCELLED"] - before["ChatCompletions CANCELLED"])
+    until("sessions closed, KV freed", open_sessions, done=lambda held: not any(held.values()))
+    assert _finished()["ChatCompletions DEADLINE_EXCEEDED"] == before["ChatCompletions DEADLINE_EXCEEDED"]
+    handle("Verify").release_fault.remote().result(timeout_s=60)
+    answer = httpx.post(f"{client.http_base_url}/chat/completions", timeout=BOUND_S,
+                        json={"messages": OPENAI_PROMPT, "max_tokens": 4, "temperature": 0})
+    assert answer.json()["usage"]["completion_tokens"] == 4
 
 
 def test_missing_label_fails_fast_and_requests_get_unavailable(client):
