@@ -1,7 +1,9 @@
-"""Throughput and latency under load through the gRPC service (closed loop by concurrency, and open loop).
+"""Throughput and latency under load through the gRPC service or its OpenAI API (closed loop by concurrency, and open
+loop).
 
-Every request streams (GenerateStream), so the client sees each chunk when
-it is sent: TTFT is request sent -> first chunk, ITL the gap between chunks
+Every request streams (GenerateStream, or /v1/chat/completions with ``stream``
+and per-chunk usage, vLLM's ``continuous_usage_stats``), so the client sees
+each chunk when it is sent: TTFT is request sent -> first chunk, ITL the gap between chunks
 spread over the chunk's tokens (a verify step sends its accepted tokens
 together), TPOT (end-to-end - TTFT) / (tokens - 1), E2E request sent -> last
 chunk. Names and meanings follow ``vllm bench serve``. Goodput counts the
@@ -16,9 +18,12 @@ refused with RESOURCE_EXHAUSTED, counted under errors).
 
 from __future__ import annotations
 
+import json
 import random
 import threading
 import time
+import urllib.error
+import urllib.request
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -42,12 +47,45 @@ class Outcome:
     prompt: int
     status: str = "OK"
     token_ids: list[int] = field(default_factory=list)
+    text: str = ""  # the OpenAI API's answer (it has no token ids: greedy answers are compared by text)
+    tokens: int = 0
     ttft_s: float | None = None
     e2e_s: float | None = None
     itl_s: list[float] = field(default_factory=list)  # one per token after the first chunk
 
 
-def _one(client: SpecDecodeClient, prompt_index: int, prompt: str, policy: dict, max_new_tokens: int) -> Outcome:
+class OpenAIEndpoint:
+    """The service's OpenAI-compatible API (``base_url`` http://host:port/v1), streamed with the standard library."""
+
+    SPECULATION = {None: None, True: "on", False: "off"}  # a POLICIES entry's ``speculate`` -> speculation.mode
+
+    def __init__(self, base_url: str, timeout_s: float = 600.0, token: str = ""):
+        self.base_url, self.timeout_s, self.token = base_url.rstrip("/"), timeout_s, token
+
+    def body(self, prompt: str, policy: dict, max_new_tokens: int) -> dict:
+        body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_new_tokens, "temperature": 0,
+                "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+        mode = self.SPECULATION[policy.get("speculate")]
+        if mode:
+            body["speculation"] = {"mode": mode, "drafter": policy.get("drafter", ""),
+                                   "num_draft_tokens": policy.get("num_draft_tokens", 0)}
+        return body
+
+    def events(self, body: dict):
+        """The stream's JSON events; urllib.error.HTTPError for a refused request."""
+        headers = {"content-type": "application/json"} | ({"authorization": f"Bearer {self.token}"} if self.token else {})
+        request = urllib.request.Request(f"{self.base_url}/chat/completions", data=json.dumps(body).encode(),
+                                         headers=headers, method="POST")
+        with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
+            for line in response:
+                line = line.decode().strip()
+                if line.startswith("data: {"):
+                    yield json.loads(line.removeprefix("data: "))
+
+
+def _one(client, prompt_index: int, prompt: str, policy: dict, max_new_tokens: int) -> Outcome:
+    if isinstance(client, OpenAIEndpoint):
+        return _one_openai(client, prompt_index, prompt, policy, max_new_tokens)
     outcome = Outcome(prompt_index)
     start = last = time.perf_counter()
     try:
@@ -64,7 +102,37 @@ def _one(client: SpecDecodeClient, prompt_index: int, prompt: str, policy: dict,
         outcome.e2e_s = time.perf_counter() - start
     except grpc.RpcError as exc:
         outcome.status = exc.code().name
+    outcome.tokens = len(outcome.token_ids)
     return outcome
+
+
+def _one_openai(api: OpenAIEndpoint, prompt_index: int, prompt: str, policy: dict, max_new_tokens: int) -> Outcome:
+    """As ``_one``; a chunk's tokens are the growth of its usage (continuous_usage_stats)."""
+    outcome = Outcome(prompt_index)
+    start = last = time.perf_counter()
+    try:
+        for event in api.events(api.body(prompt, policy, max_new_tokens)):
+            if "error" in event:
+                outcome.status = f"HTTP {event['error']['code']}"
+                return outcome
+            now = time.perf_counter()
+            n = (event.get("usage") or {}).get("completion_tokens", outcome.tokens) - outcome.tokens
+            if event["choices"] and n:
+                if outcome.ttft_s is None:
+                    outcome.ttft_s = now - start
+                else:
+                    outcome.itl_s += [(now - last) / n] * n
+                last = now
+                outcome.tokens += n
+                outcome.text += event["choices"][0]["delta"].get("content") or ""
+        outcome.e2e_s = time.perf_counter() - start
+    except urllib.error.HTTPError as exc:
+        outcome.status = f"HTTP {exc.code}"
+    return outcome
+
+
+def _answer(outcome: Outcome):
+    return outcome.text if not outcome.token_ids else outcome.token_ids
 
 
 def _percentiles(values: list[float], scale: float = 1000.0) -> dict:
@@ -77,12 +145,12 @@ def _percentiles(values: list[float], scale: float = 1000.0) -> dict:
 
 def _tpot_s(o: Outcome) -> float | None:
     """Time per output token after the first; None with fewer than two tokens."""
-    return (o.e2e_s - o.ttft_s) / (len(o.token_ids) - 1) if o.ttft_s is not None and len(o.token_ids) > 1 else None
+    return (o.e2e_s - o.ttft_s) / (o.tokens - 1) if o.ttft_s is not None and o.tokens > 1 else None
 
 
 def summarize(outcomes: list[Outcome], seconds: float, *, slo_ttft_ms: float, slo_tpot_ms: float) -> dict:
     done = [o for o in outcomes if o.status == "OK"]
-    tokens = sum(len(o.token_ids) for o in done)
+    tokens = sum(o.tokens for o in done)
     tpot = [t for o in done if (t := _tpot_s(o)) is not None]
     good = [o for o in done if o.ttft_s is not None and o.ttft_s * 1000 <= slo_ttft_ms
             and ((t := _tpot_s(o)) is None or t * 1000 <= slo_tpot_ms)]
@@ -138,7 +206,7 @@ def open_loop(client, prompts: list[str], policy: dict, *, rate: float, num_requ
     return outcomes, time.perf_counter() - start
 
 
-def run(client: SpecDecodeClient, prompts: list[str], *, policies: list[str], concurrency=DEFAULT_CONCURRENCY,
+def run(client: SpecDecodeClient | OpenAIEndpoint, prompts: list[str], *, policies: list[str], concurrency=DEFAULT_CONCURRENCY,
         requests_per_level: int = 0, rate: float = 0.0, open_requests: int = 32, max_new_tokens: int = 64,
         slo_ttft_ms: float = 2000.0, slo_tpot_ms: float = 200.0, log=print) -> dict:
     """Every policy at every concurrency (then the open loop at ``rate``, if set); greedy answers compared."""
@@ -158,7 +226,7 @@ def run(client: SpecDecodeClient, prompts: list[str], *, policies: list[str], co
             outcomes, seconds = closed_loop(client, prompts, policy, concurrency=c, num_requests=n, max_new_tokens=max_new_tokens)
             for o in outcomes:
                 if o.status == "OK":
-                    identical &= reference.setdefault(o.prompt, o.token_ids) == o.token_ids
+                    identical &= reference.setdefault(o.prompt, _answer(o)) == _answer(o)
             rows[str(c)] = summarize(outcomes, seconds, slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms)
             r = rows[str(c)]
             log(f"  {name:<15} c={c:<3} {r['output_throughput_tok_s']:7.2f} tok/s  ttft p50 {r['ttft_ms']['p50']} ms  "
@@ -172,7 +240,7 @@ def run(client: SpecDecodeClient, prompts: list[str], *, policies: list[str], co
                                           max_new_tokens=max_new_tokens)
             for o in outcomes:
                 if o.status == "OK":
-                    identical &= reference.setdefault(o.prompt, o.token_ids) == o.token_ids
+                    identical &= reference.setdefault(o.prompt, _answer(o)) == _answer(o)
             report["open_loop"][name] = {"rate_req_s": rate} | summarize(outcomes, seconds, slo_ttft_ms=slo_ttft_ms,
                                                                           slo_tpot_ms=slo_tpot_ms)
             r = report["open_loop"][name]

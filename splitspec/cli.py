@@ -6,6 +6,7 @@ import argparse
 import contextlib
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -255,7 +256,7 @@ def _service(args):
     default_pair.prepare()
     local = cluster.LocalCluster(nodes=args.nodes, dashboard=False, log_to_driver=False).start()
     try:
-        cluster.start_serve(args.grpc_port)
+        cluster.start_serve(args.grpc_port, args.http_port)
         cluster.deploy(cluster.placements_for(args.nodes, config))
         yield f"127.0.0.1:{args.grpc_port}", True
     finally:
@@ -295,13 +296,30 @@ def cmd_bench_load(args) -> int:
     policies = [p.strip() for p in args.policies.split(",")]
     print(f"load: {len(prompts)} {args.prompt_set} prompts x {args.max_new_tokens} tokens, greedy, "
           f"concurrency {levels}" + (f", open loop at {args.rate} req/s" if args.rate else ""))
+    report = {"api": {}}
     with _service(args) as (address, _):
         with SpecDecodeClient(address, timeout_s=args.request_timeout) as client:
             client.wait_ready()
-            report = bench_load.run(client, prompts, policies=policies, concurrency=levels,
-                                    requests_per_level=args.requests_per_level, rate=args.rate,
-                                    open_requests=args.open_requests, max_new_tokens=args.max_new_tokens,
-                                    slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms)
+            for api in args.api.split(","):  # one after the other, on the same service
+                print(f"through {api}:")
+                target = client if api == "grpc" else bench_load.OpenAIEndpoint(
+                    f"http://{address.rsplit(':', 1)[0]}:{args.http_port}/v1", args.request_timeout, os.environ.get(auth.TOKEN_ENV, "").strip())
+                report["api"][api] = bench_load.run(
+                    target, prompts, policies=policies, concurrency=levels, requests_per_level=args.requests_per_level,
+                    rate=args.rate, open_requests=args.open_requests, max_new_tokens=args.max_new_tokens,
+                    slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms)
+    if len(report["api"]) == 1:  # the report as before
+        report = next(iter(report["api"].values())) | {"api_used": next(iter(report["api"]))}
+        _print_load(report, levels, args)
+        return _write_report(args, report, bench_load.plot)
+    for api, one in report["api"].items():
+        print(f"\n{api}:")
+        _print_load(one, levels, args)
+    report["greedy_identical"] = all(r["greedy_identical"] for r in report["api"].values())
+    return _write_report(args, report)
+
+
+def _print_load(report: dict, levels: list[int], args) -> None:
     print(f"\nSLO: TTFT <= {args.slo_ttft_ms:.0f} ms and TPOT <= {args.slo_tpot_ms:.0f} ms")
     for name, rows in report["closed_loop"].items():
         single = rows[str(levels[0])]
@@ -312,7 +330,6 @@ def cmd_bench_load(args) -> int:
                   f"{r['itl_ms']['p50']}/{r['itl_ms']['p90']}/{r['itl_ms']['p99']} ms "
                   f"({(r['itl_ms']['p99'] or 0) / (single['itl_ms']['p50'] or 1):.2f}x single p50); errors {r['errors'] or 0}")
     print(f"greedy identical at every concurrency and policy: {report['greedy_identical']}")
-    return _write_report(args, report, bench_load.plot)
 
 
 def cmd_soak(args) -> int:
@@ -392,6 +409,8 @@ def _service_args(p: argparse.ArgumentParser, *, prompts: int) -> None:
     p.add_argument("--nodes", type=int, default=1, choices=[1, 3])
     p.add_argument("--config", help="app config YAML of the local service (default: the built-in defaults)")
     p.add_argument("--grpc-port", type=int, default=9100)
+    p.add_argument("--http-port", type=int, default=8100, help="the OpenAI API's port (of the local service, or on "
+                   "--address's host)")
     p.add_argument("--prompts", type=int, default=prompts)
     p.add_argument("--prompt-set", choices=["held_out", "everyday"], default="held_out",
                    help="held-out subjects of the drafter's training prompts, or everyday assistant requests")
@@ -452,7 +471,9 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_argument("--slo-ttft-ms", type=float, default=2000.0, help="goodput: time to first token at most this")
     load.add_argument("--slo-tpot-ms", type=float, default=200.0, help="goodput: time per output token at most this")
     load.add_argument("--request-timeout", type=float, default=600.0, help="client deadline per request (s)")
-    load.add_argument("--plot", help="also write PNG plots (throughput, latency vs concurrency) here")
+    load.add_argument("--plot", help="also write PNG plots (throughput, latency vs concurrency) here (one --api)")
+    load.add_argument("--api", default="grpc", help="grpc, openai (the OpenAI-compatible HTTP API), or grpc,openai: "
+                      "both, one after the other")
     load.set_defaults(fn=cmd_bench_load)
 
     soak_cmd = sub.add_parser("soak", help="many requests of every kind (cancelled, past deadlines), then check that "
