@@ -76,8 +76,9 @@ class OpenAIRoutes:
             self._check_model(body.model)
             message = protocol.generate_request(body, request.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex)
             plan = await asyncio.get_running_loop().run_in_executor(self._tokenizing, self._plan, message)
-            include_usage = body.stream_options is not None and body.stream_options.include_usage
-            completion = protocol.Completion(chat, plan, self.model_id, include_usage=include_usage)
+            options = body.stream_options or protocol.StreamOptions()
+            completion = protocol.Completion(chat, plan, self.model_id, include_usage=options.include_usage,
+                                             continuous_usage=options.include_usage and options.continuous_usage_stats)
             if body.stream:
                 steps = self._text_steps_before(deadline, plan, timer)
                 first = await anext(steps)  # prefill's token: what fails up to here still gets its HTTP status
@@ -105,9 +106,9 @@ class OpenAIRoutes:
                 step, token_ids, text = item
                 completion_tokens += len(token_ids)
                 if text:
-                    yield _event(completion.chunk(text))
+                    yield _event(completion.chunk(text, completion_tokens=completion_tokens))
                 if step.finish_reason:
-                    yield _event(completion.chunk(None, step.finish_reason)
+                    yield _event(completion.chunk(None, step.finish_reason, completion_tokens=completion_tokens)
                                  | protocol.extensions(completion.plan, timer.timings()))
                     if completion.include_usage:
                         yield _event(completion.usage_chunk(completion_tokens))

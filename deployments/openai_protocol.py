@@ -60,6 +60,7 @@ class Speculation(BaseModel):
 
 class StreamOptions(_Lenient):
     include_usage: bool = False
+    continuous_usage_stats: bool = Field(False, description="vLLM's extension: every chunk carries the usage so far")
 
 
 class TextPart(_Lenient):
@@ -224,9 +225,11 @@ def _plain(message) -> dict:
 class Completion:
     """Responses of one request, chat (``chat.completion``) or text (``text_completion``); ids as OpenAI's."""
 
-    def __init__(self, chat: bool, plan: api.Plan, model: str, *, include_usage: bool = False):
+    def __init__(self, chat: bool, plan: api.Plan, model: str, *, include_usage: bool = False,
+                 continuous_usage: bool = False):
         self.chat, self.plan, self.model = chat, plan, model
         self.include_usage = include_usage  # stream_options.include_usage: chunks carry "usage": null, the last one it
+        self.continuous_usage = continuous_usage  # stream_options.continuous_usage_stats: each chunk the usage so far
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{plan.request_id}"
         self.created = int(time.time())
 
@@ -240,14 +243,17 @@ class Completion:
         return {**self._head(False), "choices": [choice], "usage": usage(self.plan, completion_tokens),
                 **extensions(self.plan, timings)}
 
-    def chunk(self, text: str | None, finish_reason: str = "", *, role: bool = False) -> dict:
-        """One streamed chunk: new text (chat: ``role`` opens the message) and, last, the finish reason."""
+    def chunk(self, text: str | None, finish_reason: str = "", *, role: bool = False, completion_tokens: int = 0) -> dict:
+        """One streamed chunk: new text (chat: ``role`` opens the message) and, last, the finish reason;
+        ``completion_tokens``: sent so far (with continuous usage)."""
         if self.chat:
             delta = {"role": "assistant", "content": text or ""} if role else {} if text is None else {"content": text}
             choice = {"index": 0, "delta": delta}
         else:
             choice = {"index": 0, "text": text or ""}
         choice |= {"logprobs": None, "finish_reason": FINISH[finish_reason] if finish_reason else None}
+        if self.continuous_usage:
+            return {**self._head(True), "choices": [choice], "usage": usage(self.plan, completion_tokens)}
         return {**self._head(True), "choices": [choice], **({"usage": None} if self.include_usage else {})}
 
     def usage_chunk(self, completion_tokens: int) -> dict:

@@ -302,8 +302,9 @@ def cmd_bench_load(args) -> int:
             client.wait_ready()
             for api in args.api.split(","):  # one after the other, on the same service
                 print(f"through {api}:")
-                target = client if api == "grpc" else bench_load.OpenAIEndpoint(
-                    f"http://{address.rsplit(':', 1)[0]}:{args.http_port}/v1", args.request_timeout, os.environ.get(auth.TOKEN_ENV, "").strip())
+                token = os.environ.get(auth.TOKEN_ENV, "").strip()
+                base_url = f"http://{address.rsplit(':', 1)[0]}:{args.http_port}/v1"
+                target = client if api == "grpc" else bench_load.OpenAIEndpoint(base_url, args.request_timeout, token)
                 report["api"][api] = bench_load.run(
                     target, prompts, policies=policies, concurrency=levels, requests_per_level=args.requests_per_level,
                     rate=args.rate, open_requests=args.open_requests, max_new_tokens=args.max_new_tokens,

@@ -94,6 +94,9 @@ def test_responses_and_chunks_have_openai_shapes():
     assert chat.chunk(None, "length")["choices"][0] == {"index": 0, "delta": {}, "logprobs": None,
                                                               "finish_reason": "length"}
     assert chat.usage_chunk(2)["choices"] == [] and chat.usage_chunk(2)["usage"]["total_tokens"] == 5
+    running = protocol.Completion(True, p, "m", include_usage=True, continuous_usage=True)
+    assert running.chunk("Par", completion_tokens=2)["usage"] == {"prompt_tokens": 3, "completion_tokens": 2,
+                                                                   "total_tokens": 5}
     text = protocol.Completion(False, p, "m")
     assert text.id == "cmpl-r1" and text.chunk("is")["object"] == "text_completion"
     assert text.chunk("is")["choices"][0]["text"] == "is" and "usage" not in text.chunk("is")

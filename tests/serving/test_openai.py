@@ -56,12 +56,15 @@ def test_greedy_chat_equals_grpc_and_target_alone(client, oai, reference, specul
             assert stats["drafter"] == "model" and stats["num_draft_tokens"] == 3 and not stats["adaptive"]
 
 
-@pytest.mark.parametrize("include_usage", [False, True])
-def test_stream_deltas_concatenate_to_the_answer(oai, include_usage):
-    options = {"stream_options": {"include_usage": True}} if include_usage else {}
+STREAM_OPTIONS = [None, {"include_usage": True}, {"include_usage": True, "continuous_usage_stats": True}]
+
+
+@pytest.mark.parametrize("options", STREAM_OPTIONS, ids=["no-usage", "include_usage", "continuous_usage"])
+def test_stream_deltas_concatenate_to_the_answer(oai, options):
     for prompt in PROMPTS[4:7]:
         whole = chat(oai, prompt, temperature=0, max_tokens=MAX_NEW_TOKENS)
-        chunks = list(chat(oai, prompt, temperature=0, max_tokens=MAX_NEW_TOKENS, stream=True, **options))
+        chunks = list(chat(oai, prompt, temperature=0, max_tokens=MAX_NEW_TOKENS, stream=True,
+                           **({"stream_options": options} if options else {})))
         choices = [c.choices[0] for c in chunks if c.choices]
         assert choices[0].delta.role == "assistant"
         assert "".join(c.delta.content or "" for c in choices) == whole.choices[0].message.content
@@ -69,11 +72,15 @@ def test_stream_deltas_concatenate_to_the_answer(oai, include_usage):
         finished = [c for c in chunks if c.choices and c.choices[0].finish_reason][0]
         assert finished.model_extra["speculation_stats"]["steps"] > 0
         assert len({c.id for c in chunks}) == 1 and chunks[0].object == "chat.completion.chunk"
-        if include_usage:  # the last chunk, without choices, carries it; the others carry null
-            assert not chunks[-1].choices and chunks[-1].usage == whole.usage
-            assert all(c.usage is None for c in chunks[:-1])
-        else:
+        if options is None:
             assert all(c.usage is None for c in chunks)
+            continue
+        assert not chunks[-1].choices and chunks[-1].usage == whole.usage  # the last chunk, without choices
+        if options.get("continuous_usage_stats"):  # vLLM's extension: every chunk, the tokens sent so far
+            sent = [c.usage.completion_tokens for c in chunks]
+            assert sent == sorted(sent) and sent[0] == 0 and finished.usage == whole.usage
+        else:
+            assert all(c.usage is None for c in chunks[:-1])
 
 
 def test_completions_with_stop_and_stream(client, oai):
