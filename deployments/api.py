@@ -97,6 +97,12 @@ def parse(request, config: AppConfig, tokenizer, *, max_context: int, vocab_size
     adaptive = k == 0  # neither the request nor the config pins k
     if adaptive:
         k = defaults.max_draft_tokens
+    if adaptive and speculate and params.seed is not None and params.temperature > 0:
+        # an adaptive k (and the request gate) decides which random draws are made: a seeded sampled request gets a
+        # pinned k instead, so that its seed reproduces the answer
+        adaptive = False
+        k = defaults.seeded_draft_tokens or k
+        speculate = defaults.seeded_draft_tokens > 0
     validate_num_draft_tokens(int(k))
     drafter = policy.drafter or default_drafter
     if drafter not in drafters:

@@ -61,6 +61,11 @@ class SpeculationDefaults(_Strict):
     max_draft_tokens: int = Field(
         DEFAULT_MAX_DRAFT_TOKENS, ge=MIN_DRAFT_TOKENS, le=MAX_DRAFT_TOKENS, description="largest k the adaptive policy takes"
     )
+    seeded_draft_tokens: int = Field(
+        2, ge=0, le=MAX_DRAFT_TOKENS,
+        description="k of a seeded sampled request under the adaptive default: pinned, so that the seed reproduces the "
+        "answer (an adaptive k decides which random draws are made); 0 = such requests run without speculation",
+    )
     drafter: str = Field(
         "", description=f"default drafter, one of {list(DRAFTERS)}; empty = eagle when the drafter folder has an EAGLE head, else model"
     )

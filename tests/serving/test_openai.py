@@ -99,13 +99,15 @@ def test_completions_with_stop_and_stream(client, oai):
 
 
 def test_seeded_sampling_is_reproducible_and_matches_grpc(client, oai):
-    """With k pinned (an adaptive k changes which draws are made), a seed gives the same answer as through gRPC."""
-    kwargs = dict(temperature=0.9, top_p=0.95, seed=1234, max_tokens=MAX_NEW_TOKENS,
-                  extra_body={"speculation": {"mode": "on", "num_draft_tokens": 3, "drafter": "eagle"}})
-    first, second = (chat(oai, PROMPTS[1], **kwargs).choices[0].message.content for _ in range(2))
+    """Under the server's default policy a seeded sampled request gets a pinned k (an adaptive one would change which
+    draws are made), so the seed gives the same answer twice, and the same as through gRPC."""
+    kwargs = dict(temperature=0.9, top_p=0.95, seed=1234, max_tokens=MAX_NEW_TOKENS)
+    first, second = (chat(oai, PROMPTS[1], **kwargs) for _ in range(2))
     grpc_answer = client.generate(messages=[("user", PROMPTS[1])], max_new_tokens=MAX_NEW_TOKENS, temperature=0.9,
-                                  top_p=0.95, seed=1234, num_draft_tokens=3, drafter="eagle")
-    assert first == second == grpc_answer.text
+                                  top_p=0.95, seed=1234)
+    assert first.choices[0].message.content == second.choices[0].message.content == grpc_answer.text
+    stats = first.model_extra["speculation_stats"]
+    assert stats["enabled"] and not stats["adaptive"] and stats["num_draft_tokens"] == 2 and stats["drafted"] > 0
 
 
 BAD = [  # (body fields over a good chat request, status, words of the message)
