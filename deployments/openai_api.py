@@ -119,9 +119,7 @@ class OpenAIRoutes:
             self.metrics.finished(method, "CANCELLED")
             raise
         except Exception as exc:  # noqa: BLE001
-            code, message = to_status(exc)
-            self.metrics.finished(method, code.name)
-            yield _event(protocol.error(code, message)[1])
+            yield _event(_error(exc, self.metrics, method)[1])
         finally:
             await steps.aclose()  # closes the request's sessions
         yield protocol.DONE
@@ -136,9 +134,14 @@ def _event(data: dict) -> str:
     return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"
 
 
-def _error_response(exc: Exception, metrics=None, method: str = "") -> JSONResponse:
+def _error(exc: Exception, metrics=None, method: str = "") -> tuple[int, dict]:
+    """(HTTP status, OpenAI error JSON) of ``exc``; with ``metrics``, the request is counted with its outcome."""
     code, message = to_status(exc)
     if metrics is not None:
         metrics.finished(method, code.name)
-    status, body = protocol.error(code, message)
+    return protocol.error(code, message)
+
+
+def _error_response(exc: Exception, metrics=None, method: str = "") -> JSONResponse:
+    status, body = _error(exc, metrics, method)
     return JSONResponse(body, status_code=status)
