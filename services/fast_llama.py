@@ -246,20 +246,31 @@ class FastLlamaRunner:
         return logits if self.kept_ids is None else scatter_kept(logits, self.kept_ids, self.vocab_size)
 
     def _layers(self, chunks: list[tuple[torch.Tensor, DenseKVCache]]) -> torch.Tensor:  # -> [N, hidden] before the final norm
-        """The decoder layers over the rows of every chunk; appends each chunk's K/V to its cache."""
+        """The decoder layers over the rows of every chunk; appends each chunk's K/V to its cache.
+
+        A short chunk (``kernels.DECODE_ATTENTION_MAX_ROWS``: verify blocks, draft steps) attends through the
+        compiled ``decode_attention``, all of them in one call per layer; a longer one (a prompt) through SDPA.
+        Which path a chunk takes depends on its own length only, so batching never changes its result.
+        """
         h, h_kv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        attend = kernels.decode_attention() if self.dtype == torch.float32 else None
         spans = []  # per chunk: (row offset, rows, first position, its cache, its causal mask)
+        short = ([], [], [], [])  # the chunks that take decode_attention: caches, offsets, sizes, starts
         offset = 0
         for input_ids, cache in chunks:
             n, start = input_ids.shape[0], cache.seq_len
             cache.reserve(start + n)
-            mask = None
-            if n > 1:  # causal over the new positions; all cached positions visible
-                mask = torch.ones(n, start + n, dtype=torch.bool).tril_(diagonal=start)
-            spans.append((offset, n, start, cache, mask))
+            if attend is not None and n <= kernels.DECODE_ATTENTION_MAX_ROWS:
+                for column, value in zip(short, (cache.buffer, offset, n, start)):
+                    column.append(value)
+            else:
+                mask = None
+                if n > 1:  # causal over the new positions; all cached positions visible
+                    mask = torch.ones(n, start + n, dtype=torch.bool).tril_(diagonal=start)
+                spans.append((offset, n, start, cache, mask))
             offset += n
         total = offset
-        positions = torch.cat([torch.arange(start, start + n) for _, n, start, _, _ in spans])  # [N]
+        positions = torch.cat([torch.arange(cache.seq_len, cache.seq_len + ids.shape[0]) for ids, cache in chunks])  # [N]
         cos, sin = self._rope(positions)  # [N, d]
         x = F.embedding(torch.cat([ids for ids, _ in chunks]), self.embed)  # [N, hidden]
         for i, (ln1, w_qkv, w_o, ln2, w_gu, w_down) in enumerate(self.layers):
@@ -268,7 +279,9 @@ class FastLlamaRunner:
             k = qkv[:, h * d : (h + h_kv) * d].view(total, h_kv, d).transpose(0, 1)  # [h_kv, N, d]
             v = qkv[:, (h + h_kv) * d :].view(total, h_kv, d).transpose(0, 1)
             q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
-            outs = []
+            out = x.new_empty(total, h * d)  # [N, h * d]: every chunk's attention output
+            if short[0]:
+                attend(out, q, k, v, *short, i, self.scaling)
             for offset, n, start, cache, mask in spans:
                 end = start + n
                 cache.buffer[i, 0, :, start:end] = k[:, offset : offset + n]
@@ -279,10 +292,10 @@ class FastLlamaRunner:
                     q[None, :, offset : offset + n], keys[None], values[None], attn_mask=mask, scale=self.scaling,
                     enable_gqa=True,
                 )  # [1, h, n, d]
-                outs.append(attn[0].transpose(0, 1).reshape(n, h * d))
-            x = x + w_o(outs[0] if len(outs) == 1 else torch.cat(outs))
+                out[offset : offset + n] = attn[0].transpose(0, 1).reshape(n, h * d)
+            x = x + w_o(out)
             gate, up = w_gu(self._rms_norm(x, ln2)).chunk(2, dim=-1)  # 2 x [N, inter]
             x = x + w_down(F.silu(gate) * up)
-        for _, n, start, cache, _ in spans:
-            cache.seq_len = start + n
+        for input_ids, cache in chunks:
+            cache.seq_len += input_ids.shape[0]
         return x

@@ -1,11 +1,18 @@
 """Optional compiled kernels, built on first use with the machine's C++ compiler.
 
-``skinny_gemm()`` returns a function computing ``x @ w.T`` for a few rows of
-x (a verify chunk, or several sessions' chunks batched) that reads each weight
-row once (``csrc/skinny_gemm.cpp``; AVX-512 where the CPU has it, else AVX2),
-or None where it cannot be built (no AVX2/FMA, no compiler or ninja, or
-``SPLITSPEC_NO_KERNELS`` set); callers then use BLAS. The first build takes
-about a minute and is cached by torch under ``TORCH_EXTENSIONS_DIR``.
+* ``skinny_gemm()`` returns a function computing ``x @ w.T`` for a few rows
+  of x (a verify chunk, or several sessions' chunks batched) that reads each
+  weight row once (``csrc/skinny_gemm.cpp``);
+* ``decode_attention()`` returns a function that appends several sequences'
+  short chunks to their KV caches and computes their attention in one call
+  (``csrc/decode_attention.cpp``), where SDPA would be one call per sequence
+  and layer.
+
+Both use AVX-512 where the CPU has it, else AVX2, and both are None where the
+module cannot be built (no AVX2/FMA, no compiler or ninja, or
+``SPLITSPEC_NO_KERNELS`` set); callers then use BLAS and SDPA. The first
+build takes about a minute and is cached by torch under
+``TORCH_EXTENSIONS_DIR``.
 """
 
 from __future__ import annotations
@@ -17,7 +24,8 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 SKINNY_MAX_ROWS = 32  # beyond this many rows a BLAS GEMM is compute-efficient enough
-_SOURCE = Path(__file__).parent / "csrc" / "skinny_gemm.cpp"
+DECODE_ATTENTION_MAX_ROWS = 32  # longer chunks (prompts) take SDPA, whose blocked kernel suits them
+_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("bindings.cpp", "skinny_gemm.cpp", "decode_attention.cpp")]
 
 
 def _cpu_flags() -> set[str]:
@@ -40,24 +48,41 @@ def _build():
         from torch.utils.cpp_extension import load
 
         module = load(
-            name="splitspec_skinny_gemm",
-            sources=[str(_SOURCE)],
+            name="splitspec_kernels",
+            sources=[str(source) for source in _SOURCES],
             extra_cflags=cflags,
             verbose=False,
         )
-        return module.skinny_gemm
-    except Exception as exc:  # no compiler / ninja: fall back to BLAS, loudly
-        logger.warning("skinny_gemm kernel unavailable (%s); using BLAS for verify chunks", exc)
+        return module
+    except Exception as exc:  # no compiler / ninja: fall back to BLAS and SDPA, loudly
+        logger.warning("compiled kernels unavailable (%s); using BLAS and SDPA", exc)
         return None
 
 
 _UNBUILT = object()
-_skinny = _UNBUILT
+_module = _UNBUILT
+
+
+def _kernels():
+    global _module
+    if _module is _UNBUILT:
+        _module = _build()
+    return _module
 
 
 def skinny_gemm():
-    """The compiled kernel, built on first call (None if unavailable)."""
-    global _skinny
-    if _skinny is _UNBUILT:
-        _skinny = _build()
-    return _skinny
+    """``x [m, in], w [out, in] -> x @ w.T``, built on first call (None if unavailable)."""
+    module = _kernels()
+    return None if module is None else module.skinny_gemm
+
+
+def decode_attention():
+    """``(out, q, k, v, caches, offsets, sizes, starts, layer, scale) -> None``, or None if unavailable.
+
+    ``q [h, N, d]``, ``k`` / ``v`` ``[h_kv, N, d]`` (roped, last dimension contiguous) hold the rows of several
+    chunks; chunk c's rows ``offsets[c] .. + sizes[c]`` go to positions ``starts[c] ..`` of ``caches[c]``
+    (``[layers, 2, h_kv, capacity, d]``, float32) at ``layer``, and attend causally to it; ``out [N, h * d]`` gets
+    their rows.
+    """
+    module = _kernels()
+    return None if module is None else module.decode_attention

@@ -2,60 +2,39 @@
 // or the rows of several sessions' verify chunks batched together).
 //
 // Decoding is bound by the weight stream from memory, so the kernel reads
-// each weight row once for all m rows of x. Up to kStreamRows rows it streams
-// the weights row by row (one sequential stream that the prefetcher keeps up
-// with: memory bandwidth); with more rows the arithmetic dominates, and a tile
-// of kTileOut weight rows stays in L1 while blocks of up to kBlockRows rows of
-// x pass over it, with the accumulators in vector registers (a
-// register-blocked micro-kernel, as in BLIS). BLAS small-M GEMMs on some CPUs
+// each weight row once for all m rows of x. One or two rows stream the
+// weights row by row; more rows take tiles: a tile of kTileOut weight rows
+// stays in L1 while blocks of up to kBlockRows rows of x pass over it, with
+// the accumulators in vector registers (a register-blocked micro-kernel, as
+// in BLIS), and the weights further on are prefetched into L2. BLAS small-M GEMMs on some CPUs
 // (MKL on AMD EPYC, measured) are several times slower.
 //
 // Every y[m, o] is summed in the same order whatever m and the blocking are
 // (vector lanes over i in steps of kLanes, one horizontal sum, then the tail),
 // so a row's result does not depend on which other rows share the call:
 // batching rows from different requests leaves each one's logits bit-identical.
-#include <torch/extension.h>
-#include <immintrin.h>
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 
+#include "simd.h"
+
+namespace splitspec {
 namespace {
 
 #if defined(__AVX512F__)
-using Vec = __m512;
-constexpr int64_t kLanes = 16;
 constexpr int kTileOut = 4;    // weight rows per tile
-constexpr int kBlockRows = 6;  // x rows per register block: 4 x 6 accumulators + 4 weights + 1 x <= 32 registers
-constexpr int64_t kStreamRows = 4;
-inline Vec vzero() { return _mm512_setzero_ps(); }
-inline Vec vload(const float* p) { return _mm512_loadu_ps(p); }
-inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
-inline float vsum(Vec v) {
-  // Fixed pairwise order (not _mm512_reduce_add_ps, whose order the compiler chooses).
-  __m256 lo = _mm512_castps512_ps256(v);
-  __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
-  __m256 s8 = _mm256_add_ps(lo, hi);
-  __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
-  __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-  __m128 s1 = _mm_add_ss(s2, _mm_movehdup_ps(s2));
-  return _mm_cvtss_f32(s1);
-}
+constexpr int kBlockRows = 4;  // x rows per register block: 4 x 4 accumulators + 4 weights + 1 x of 32 registers
 #else
-using Vec = __m256;
-constexpr int64_t kLanes = 8;
 constexpr int kTileOut = 3;    // 3 x 3 accumulators + 3 weights + 1 x <= 16 registers
 constexpr int kBlockRows = 3;
-constexpr int64_t kStreamRows = 4;
-inline Vec vzero() { return _mm256_setzero_ps(); }
-inline Vec vload(const float* p) { return _mm256_loadu_ps(p); }
-inline Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
-inline float vsum(Vec v) {
-  __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-  __m128 s1 = _mm_add_ss(s2, _mm_movehdup_ps(s2));
-  return _mm_cvtss_f32(s1);
-}
 #endif
+// How far ahead of its loads each weight row is prefetched into L2, in floats (16 KB: several tiles ahead). The
+// tiles read kTileOut weight rows side by side, a pattern the hardware prefetcher follows poorly; without this
+// a pass over 3-16 rows ran at half the memory bandwidth of one row (measured on a 2-core AMD EPYC, AVX-512).
+constexpr int64_t kPrefetchAhead = 4096;
 
-// Few rows: one weight row at a time, so the weights are read as one sequential stream.
+// One or two rows: one weight row at a time, so the weights are read as one sequential stream, which the
+// hardware prefetcher keeps up with (memory bandwidth).
 template <int M>
 void stream_rows(const float* x, const float* w, float* y, int64_t in, int64_t out, int64_t o_begin, int64_t o_end) {
   for (int64_t o = o_begin; o < o_end; ++o) {
@@ -75,13 +54,12 @@ void stream_rows(const float* x, const float* w, float* y, int64_t in, int64_t o
   }
 }
 
-// y[m0 .. m0+MB, o0 .. o0+NO] for NO <= kTileOut weight rows and MB <= kBlockRows x rows. With ``prefetch`` (the
-// next tile's first weight row, on the tile's first block of x rows), the next kTileOut weight rows are fetched
-// from memory while this block computes: the weights stream from DRAM behind the arithmetic instead of stalling
-// it at every tile. Prefetching changes no arithmetic.
+// y[m0 .. m0+MB, o0 .. o0+NO] for NO weight rows and MB x rows, the accumulators in registers. With ``prefetch``
+// (on a tile's first block of x rows) the weights kPrefetchAhead floats further on are fetched into L2, so the
+// weight stream from DRAM runs ahead of the arithmetic instead of stalling it. Prefetching changes no arithmetic.
 template <int NO, int MB>
 inline void micro(const float* x, const float* w, float* y, int64_t in, int64_t out, int64_t m0, int64_t o0,
-                  const float* prefetch = nullptr) {
+                  bool prefetch) {
   Vec acc[NO][MB];
   for (int n = 0; n < NO; ++n)
     for (int m = 0; m < MB; ++m) acc[n][m] = vzero();
@@ -90,8 +68,8 @@ inline void micro(const float* x, const float* w, float* y, int64_t in, int64_t 
   const float* xr = x + m0 * in;
   int64_t i = 0;
   for (; i + kLanes <= in; i += kLanes) {
-    if (prefetch != nullptr) {
-      for (int n = 0; n < kTileOut; ++n) _mm_prefetch(reinterpret_cast<const char*>(prefetch + n * in + i), _MM_HINT_T0);
+    if (prefetch) {
+      for (int n = 0; n < NO; ++n) _mm_prefetch(reinterpret_cast<const char*>(wr[n] + i + kPrefetchAhead), _MM_HINT_T1);
     }
     Vec wv[NO];
     for (int n = 0; n < NO; ++n) wv[n] = vload(wr[n] + i);
@@ -108,37 +86,34 @@ inline void micro(const float* x, const float* w, float* y, int64_t in, int64_t 
     }
 }
 
+// Every block of x rows against one tile of NO weight rows, which stays in L1 after the first block.
 template <int NO>
 inline void tile(const float* x, const float* w, float* y, int64_t rows, int64_t in, int64_t out, int64_t o0) {
-  // the next full tile's weight rows, fetched during this tile's first block of x rows
-  const float* next = (o0 + 2 * kTileOut <= out && rows >= kBlockRows) ? w + (o0 + kTileOut) * in : nullptr;
   int64_t m0 = 0;
-  for (; m0 + kBlockRows <= rows; m0 += kBlockRows) micro<NO, kBlockRows>(x, w, y, in, out, m0, o0, m0 == 0 ? next : nullptr);
+  for (; m0 + kBlockRows <= rows; m0 += kBlockRows) micro<NO, kBlockRows>(x, w, y, in, out, m0, o0, m0 == 0);
+  const bool first = m0 == 0;
   switch (rows - m0) {  // the last, partial block of x rows
     case 0: break;
-    case 1: micro<NO, 1>(x, w, y, in, out, m0, o0); break;
-    case 2: micro<NO, 2>(x, w, y, in, out, m0, o0); break;
+    case 1: micro<NO, 1>(x, w, y, in, out, m0, o0, first); break;
+    case 2: micro<NO, 2>(x, w, y, in, out, m0, o0, first); break;
 #if defined(__AVX512F__)
-    case 3: micro<NO, 3>(x, w, y, in, out, m0, o0); break;
-    case 4: micro<NO, 4>(x, w, y, in, out, m0, o0); break;
-    default: micro<NO, 5>(x, w, y, in, out, m0, o0); break;
+    default: micro<NO, 3>(x, w, y, in, out, m0, o0, first); break;
 #endif
   }
 }
 
 void run(const float* x, const float* w, float* y, int64_t rows, int64_t in, int64_t out) {
-  if (rows <= kStreamRows) {
+  if (rows <= 2) {
     at::parallel_for(0, out, 256, [&](int64_t begin, int64_t end) {
-      switch (rows) {
-        case 1: stream_rows<1>(x, w, y, in, out, begin, end); break;
-        case 2: stream_rows<2>(x, w, y, in, out, begin, end); break;
-        case 3: stream_rows<3>(x, w, y, in, out, begin, end); break;
-        default: stream_rows<4>(x, w, y, in, out, begin, end); break;
+      if (rows == 1) {
+        stream_rows<1>(x, w, y, in, out, begin, end);
+      } else {
+        stream_rows<2>(x, w, y, in, out, begin, end);
       }
     });
     return;
   }
-  // more rows (sessions batched): tiles of kTileOut weight rows, each load shared by a block of x rows
+  // more rows (a verify block, or sessions batched): tiles of kTileOut weight rows, each load shared by a block
   const int64_t tiles = (out + kTileOut - 1) / kTileOut;
   at::parallel_for(0, tiles, 64, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
@@ -159,20 +134,16 @@ void run(const float* x, const float* w, float* y, int64_t rows, int64_t in, int
 
 }  // namespace
 
-torch::Tensor skinny_gemm(torch::Tensor x, torch::Tensor w) {
-  TORCH_CHECK(x.dtype() == torch::kFloat32 && w.dtype() == torch::kFloat32, "float32 only");
+at::Tensor skinny_gemm(at::Tensor x, at::Tensor w) {
+  TORCH_CHECK(x.dtype() == at::kFloat && w.dtype() == at::kFloat, "float32 only");
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "x [m, in], w [out, in]");
   TORCH_CHECK(x.size(0) >= 1, "at least one row");
   x = x.contiguous();
   w = w.contiguous();
   const int64_t rows = x.size(0), in = x.size(1), out = w.size(0);
-  auto y = torch::empty({rows, out}, x.options());
+  auto y = at::empty({rows, out}, x.options());
   run(x.data_ptr<float>(), w.data_ptr<float>(), y.data_ptr<float>(), rows, in, out);
   return y;
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  // without the GIL: the replica's event loop keeps taking and answering calls while a pass runs
-  m.def("skinny_gemm", &skinny_gemm, "x @ w.T for a few rows of x, reading w once",
-        py::call_guard<py::gil_scoped_release>());
-}
+}  // namespace splitspec

@@ -88,3 +88,76 @@ def test_skinny_kernel_builds_here():
     if not {"avx2", "fma"} <= kernels._cpu_flags():
         pytest.skip("CPU without AVX2/FMA: BLAS fallback is used")
     assert kernels.skinny_gemm() is not None
+
+
+def _attention_case(seed: int, head_dim: int = 24, heads: int = 4, kv_heads: int = 2):
+    """Three sequences' short chunks (1, 5 and 3 rows) at different cache lengths, plus their caches."""
+    gen = torch.Generator().manual_seed(seed)
+    sizes, starts = [1, 5, 3], [0, 37, 16]
+    total = sum(sizes)
+    q = torch.randn(heads, total, head_dim, generator=gen)
+    k = torch.randn(kv_heads, total, head_dim, generator=gen)
+    v = torch.randn(kv_heads, total, head_dim, generator=gen)
+    caches = [torch.randn(2, 2, kv_heads, start + n + 4, head_dim, generator=gen) for start, n in zip(starts, sizes)]
+    offsets = [sum(sizes[:c]) for c in range(len(sizes))]
+    return q, k, v, caches, offsets, sizes, starts
+
+
+def test_decode_attention_appends_kv_and_attends_causally():
+    """The compiled short-chunk attention: each chunk's K/V lands in its cache, and each row's attention is SDPA's
+    over every cached position and the chunk's rows up to its own (odd head size: the vector tails)."""
+    from services import kernels
+
+    attend = kernels.decode_attention()
+    if attend is None:
+        pytest.skip("no compiled kernel here: SDPA is used")
+    q, k, v, caches, offsets, sizes, starts = _attention_case(0)
+    before = [cache.clone() for cache in caches]
+    layer, scale = 1, 24**-0.5
+    out = torch.empty(q.shape[1], q.shape[0] * q.shape[2])
+    attend(out, q, k, v, caches, offsets, sizes, starts, layer, scale)
+    for c, (offset, n, start) in enumerate(zip(offsets, sizes, starts)):
+        end = start + n
+        assert torch.equal(caches[c][layer, 0, :, start:end], k[:, offset : offset + n])
+        assert torch.equal(caches[c][layer, 1, :, start:end], v[:, offset : offset + n])
+        assert torch.equal(caches[c][0], before[c][0])  # other layers untouched
+        mask = torch.ones(n, end, dtype=torch.bool).tril_(diagonal=start)
+        expected = torch.nn.functional.scaled_dot_product_attention(
+            q[None, :, offset : offset + n], caches[c][None, layer, 0, :, :end], caches[c][None, layer, 1, :, :end],
+            attn_mask=mask, scale=scale, enable_gqa=True,
+        )[0].transpose(0, 1).reshape(n, -1)  # [n, h * d]
+        torch.testing.assert_close(out[offset : offset + n], expected, rtol=1e-5, atol=1e-5)
+
+
+def test_decode_attention_rows_do_not_depend_on_their_batch():
+    """A chunk's attention is bit-identical alone and batched with other sequences' chunks."""
+    from services import kernels
+
+    attend = kernels.decode_attention()
+    if attend is None:
+        pytest.skip("no compiled kernel here: SDPA is used")
+    q, k, v, caches, offsets, sizes, starts = _attention_case(1)
+    batched = torch.empty(q.shape[1], q.shape[0] * q.shape[2])
+    attend(batched, q, k, v, [cache.clone() for cache in caches], offsets, sizes, starts, 0, 0.2)
+    for c, (offset, n, start) in enumerate(zip(offsets, sizes, starts)):
+        rows = slice(offset, offset + n)
+        alone = torch.empty(n, q.shape[0] * q.shape[2])
+        attend(alone, q[:, rows], k[:, rows], v[:, rows], [caches[c].clone()], [0], [n], [start], 0, 0.2)
+        assert torch.equal(alone, batched[rows]), c
+
+
+def test_forward_without_compiled_kernels_gives_the_same_logits(tiny, monkeypatch):
+    """The SDPA fallback (no compiler, or SPLITSPEC_NO_KERNELS) and the compiled attention agree."""
+    from services import kernels
+
+    target, _ = tiny
+    runner = make_runner(target)
+    ids = torch.randint(0, target.vocab_size, (12,), generator=torch.Generator().manual_seed(2))
+
+    def logits():
+        cache = runner.new_cache()
+        return torch.cat([runner.forward(ids[:7], cache), runner.forward(ids[7:10], cache), runner.forward(ids[10:], cache)])
+
+    with_kernels = logits()
+    monkeypatch.setattr(kernels, "decode_attention", lambda: None)
+    torch.testing.assert_close(logits(), with_kernels, rtol=1e-5, atol=1e-5)

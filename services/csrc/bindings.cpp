@@ -1,0 +1,20 @@
+// The Python module of the compiled kernels (services/kernels.py builds it on first use).
+#include <torch/extension.h>
+
+#include <vector>
+
+namespace splitspec {
+at::Tensor skinny_gemm(at::Tensor x, at::Tensor w);
+void decode_attention(at::Tensor out, at::Tensor q, at::Tensor k, at::Tensor v, std::vector<at::Tensor> caches,
+                      std::vector<int64_t> offsets, std::vector<int64_t> sizes, std::vector<int64_t> starts,
+                      int64_t layer, double scale);
+}  // namespace splitspec
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  // without the GIL: the replica's event loop keeps taking and answering calls while a pass runs
+  m.def("skinny_gemm", &splitspec::skinny_gemm, "x @ w.T for a few rows of x, reading w once",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("decode_attention", &splitspec::decode_attention,
+        "append short chunks' K/V to their caches and attend, every sequence alone, in one call",
+        py::call_guard<py::gil_scoped_release>());
+}
