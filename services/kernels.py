@@ -39,11 +39,14 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
+def _build_flags() -> list[str]:
+    return ["-O3", "-mavx2", "-mfma"] + (["-mavx512f"] if "avx512f" in _cpu_flags() else [])
+
+
 def _build():
-    flags = _cpu_flags()
-    if os.environ.get("SPLITSPEC_NO_KERNELS") or not {"avx2", "fma"} <= flags:
+    if os.environ.get("SPLITSPEC_NO_KERNELS") or not {"avx2", "fma"} <= _cpu_flags():
         return None
-    cflags = ["-O3", "-mavx2", "-mfma"] + (["-mavx512f"] if "avx512f" in flags else [])
+    cflags = _build_flags()
     try:
         from torch.utils.cpp_extension import load
 

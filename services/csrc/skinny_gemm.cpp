@@ -2,8 +2,8 @@
 // or the rows of several sessions' verify chunks batched together).
 //
 // Decoding is bound by the weight stream from memory, so the kernel reads
-// each weight row once for all m rows of x. One or two rows stream the
-// weights row by row; more rows take tiles: a tile of kTileOut weight rows
+// each weight row once for all m rows of x. One row streams the weights
+// row by row; more rows take tiles: a tile of kTileOut weight rows
 // stays in L1 while blocks of up to kBlockRows rows of x pass over it, with
 // the accumulators in vector registers (a register-blocked micro-kernel, as
 // in BLIS), and the weights further on are prefetched into L2. BLAS small-M GEMMs on some CPUs
@@ -33,24 +33,17 @@ constexpr int kBlockRows = 3;
 // a pass over 3-16 rows ran at half the memory bandwidth of one row (measured on a 2-core AMD EPYC, AVX-512).
 constexpr int64_t kPrefetchAhead = 4096;
 
-// One or two rows: one weight row at a time, so the weights are read as one sequential stream, which the
-// hardware prefetcher keeps up with (memory bandwidth).
-template <int M>
-void stream_rows(const float* x, const float* w, float* y, int64_t in, int64_t out, int64_t o_begin, int64_t o_end) {
+// One row (a decode step): one weight row at a time, so the weights are read as one sequential stream, which
+// the hardware prefetcher keeps up with (memory bandwidth).
+void stream_row(const float* x, const float* w, float* y, int64_t in, int64_t o_begin, int64_t o_end) {
   for (int64_t o = o_begin; o < o_end; ++o) {
     const float* wr = w + o * in;
-    Vec acc[M];
-    for (int m = 0; m < M; ++m) acc[m] = vzero();
+    Vec acc = vzero();
     int64_t i = 0;
-    for (; i + kLanes <= in; i += kLanes) {
-      Vec wv = vload(wr + i);
-      for (int m = 0; m < M; ++m) acc[m] = vfma(wv, vload(x + m * in + i), acc[m]);
-    }
-    for (int m = 0; m < M; ++m) {
-      float s = vsum(acc[m]);
-      for (int64_t j = i; j < in; ++j) s += wr[j] * x[m * in + j];
-      y[m * out + o] = s;
-    }
+    for (; i + kLanes <= in; i += kLanes) acc = vfma(vload(wr + i), vload(x + i), acc);
+    float s = vsum(acc);
+    for (int64_t j = i; j < in; ++j) s += wr[j] * x[j];
+    y[o] = s;
   }
 }
 
@@ -103,13 +96,9 @@ inline void tile(const float* x, const float* w, float* y, int64_t rows, int64_t
 }
 
 void run(const float* x, const float* w, float* y, int64_t rows, int64_t in, int64_t out) {
-  if (rows <= 2) {
+  if (rows <= 1) {
     at::parallel_for(0, out, 256, [&](int64_t begin, int64_t end) {
-      if (rows == 1) {
-        stream_rows<1>(x, w, y, in, out, begin, end);
-      } else {
-        stream_rows<2>(x, w, y, in, out, begin, end);
-      }
+      stream_row(x, w, y, in, begin, end);
     });
     return;
   }
