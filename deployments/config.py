@@ -42,7 +42,9 @@ class Placement(_Strict):
 class StageConfig(_Strict):
     num_replicas: int = Field(1, ge=1, description="replicas of this stage")
     threads: int = Field(1, ge=1, description="torch intra-op threads per replica")
-    max_ongoing_requests: int = Field(16, ge=1, description="concurrent calls a replica accepts")
+    max_ongoing_requests: int = Field(
+        64, ge=1, description="concurrent calls a replica accepts (more than the ingress runs: closes are in flight too)"
+    )
     max_batch_rows: int = Field(
         0, ge=0, description="rows (tokens) one batched pass takes from concurrent requests' calls; "
         f"0 = the stage's default: {DEFAULT_BATCH_ROWS}",
@@ -101,7 +103,7 @@ class Limits(_Strict):
     default_max_new_tokens: int = Field(128, ge=1, description="max_new_tokens when a request leaves it unset")
     max_sessions: int = Field(64, ge=1, description="open sessions per draft / verify replica")
     max_kv_bytes: int = Field(4 * 2**30, ge=1, description="KV bytes per draft / verify replica")
-    max_ongoing_requests: int = Field(16, ge=1, description="requests the ingress runs at once (per replica)")
+    max_ongoing_requests: int = Field(32, ge=1, description="requests the ingress runs at once (per replica); the verify pass batches them all")
     max_queued_requests: int = Field(32, ge=0, description="requests waiting beyond that; more get RESOURCE_EXHAUSTED")
     prefill_chunk_tokens: int = Field(
         256, ge=1, description="a longer prompt is prefilled in chunks of this many tokens, each in a pass shared with "
