@@ -25,9 +25,9 @@ def _earlier_kernel(commit: str):
                             capture_output=True, text=True).stdout
     path = Path(tempfile.mkdtemp()) / "skinny_gemm_earlier.cpp"
     path.write_text(source)
-    from services.kernels import _build_flags
+    from services.kernels import build_flags
 
-    return load(name=f"splitspec_skinny_gemm_{commit}", sources=[str(path)], extra_cflags=_build_flags()).skinny_gemm
+    return load(name=f"splitspec_skinny_gemm_{commit}", sources=[str(path)], extra_cflags=build_flags()).skinny_gemm
 
 
 def main() -> None:

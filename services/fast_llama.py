@@ -254,15 +254,19 @@ class FastLlamaRunner:
         """
         h, h_kv, d = self.num_heads, self.num_kv_heads, self.head_dim
         attend = kernels.decode_attention() if self.dtype == torch.float32 else None
-        spans = []  # per chunk: (row offset, rows, first position, its cache, its causal mask)
-        short = ([], [], [], [])  # the chunks that take decode_attention: caches, offsets, sizes, starts
+        spans = []  # per chunk taking SDPA: (row offset, rows, first position, its cache, its causal mask)
+        short_caches, short_offsets, short_sizes, short_starts = [], [], [], []  # the chunks taking decode_attention
+        positions = []  # per chunk: its rows' positions
         offset = 0
         for input_ids, cache in chunks:
             n, start = input_ids.shape[0], cache.seq_len
             cache.reserve(start + n)
+            positions.append(torch.arange(start, start + n))
             if attend is not None and n <= kernels.DECODE_ATTENTION_MAX_ROWS:
-                for column, value in zip(short, (cache.buffer, offset, n, start)):
-                    column.append(value)
+                short_caches.append(cache.buffer)
+                short_offsets.append(offset)
+                short_sizes.append(n)
+                short_starts.append(start)
             else:
                 mask = None
                 if n > 1:  # causal over the new positions; all cached positions visible
@@ -270,8 +274,7 @@ class FastLlamaRunner:
                 spans.append((offset, n, start, cache, mask))
             offset += n
         total = offset
-        positions = torch.cat([torch.arange(cache.seq_len, cache.seq_len + ids.shape[0]) for ids, cache in chunks])  # [N]
-        cos, sin = self._rope(positions)  # [N, d]
+        cos, sin = self._rope(torch.cat(positions))  # [N, d]
         x = F.embedding(torch.cat([ids for ids, _ in chunks]), self.embed)  # [N, hidden]
         for i, (ln1, w_qkv, w_o, ln2, w_gu, w_down) in enumerate(self.layers):
             qkv = w_qkv(self._rms_norm(x, ln1))  # [N, (h + 2 h_kv) * d]
@@ -280,8 +283,8 @@ class FastLlamaRunner:
             v = qkv[:, (h + h_kv) * d :].view(total, h_kv, d).transpose(0, 1)
             q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
             out = x.new_empty(total, h * d)  # [N, h * d]: every chunk's attention output
-            if short[0]:
-                attend(out, q, k, v, *short, i, self.scaling)
+            if short_caches:
+                attend(out, q, k, v, short_caches, short_offsets, short_sizes, short_starts, i, self.scaling)
             for offset, n, start, cache, mask in spans:
                 end = start + n
                 cache.buffer[i, 0, :, start:end] = k[:, offset : offset + n]

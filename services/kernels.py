@@ -39,21 +39,21 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
-def _build_flags() -> list[str]:
+def build_flags() -> list[str]:
+    """The compiler flags of the kernels on this CPU (AVX-512 where it has it)."""
     return ["-O3", "-mavx2", "-mfma"] + (["-mavx512f"] if "avx512f" in _cpu_flags() else [])
 
 
 def _build():
     if os.environ.get("SPLITSPEC_NO_KERNELS") or not {"avx2", "fma"} <= _cpu_flags():
         return None
-    cflags = _build_flags()
     try:
         from torch.utils.cpp_extension import load
 
         module = load(
             name="splitspec_kernels",
             sources=[str(source) for source in _SOURCES],
-            extra_cflags=cflags,
+            extra_cflags=build_flags(),
             verbose=False,
         )
         return module

@@ -19,15 +19,6 @@
 namespace splitspec {
 namespace {
 
-inline float dot(const float* a, const float* b, int64_t d) {
-  Vec acc = vzero();
-  int64_t i = 0;
-  for (; i + kLanes <= d; i += kLanes) acc = vfma(vload(a + i), vload(b + i), acc);
-  float s = vsum(acc);
-  for (; i < d; ++i) s += a[i] * b[i];
-  return s;
-}
-
 // out[0, d) = softmax(scale * q . K[t]) weighted sum of V[t], t < keys; scores: scratch of at least keys floats.
 void attend_row(const float* q, const float* keys_base, const float* values_base, int64_t keys, int64_t d,
                 float scale, float* scores, float* out) {

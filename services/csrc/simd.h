@@ -62,6 +62,17 @@ inline float vsum(Vec v) {
 }
 #endif
 
+// sum_i a[i] * b[i]: vector lanes over i, one horizontal sum, then the tail. Every kernel sums a product in this
+// order, so a row's result does not depend on which path or batch computed it.
+inline float dot(const float* a, const float* b, int64_t n) {
+  Vec acc = vzero();
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) acc = vfma(vload(a + i), vload(b + i), acc);
+  float s = vsum(acc);
+  for (; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
 // exp(x) for x <= 0 (softmax after subtracting the maximum), within about 2 ulp: Cephes' expf — x = n ln 2 + r,
 // a degree-6 polynomial in r, times 2^n. Below -87.3 the result is clamped to about FLT_MIN (exp underflows there
 // anyway; next to the maximum's exp(0) = 1 it adds nothing).

@@ -36,15 +36,7 @@ constexpr int64_t kPrefetchAhead = 4096;
 // One row (a decode step): one weight row at a time, so the weights are read as one sequential stream, which
 // the hardware prefetcher keeps up with (memory bandwidth).
 void stream_row(const float* x, const float* w, float* y, int64_t in, int64_t o_begin, int64_t o_end) {
-  for (int64_t o = o_begin; o < o_end; ++o) {
-    const float* wr = w + o * in;
-    Vec acc = vzero();
-    int64_t i = 0;
-    for (; i + kLanes <= in; i += kLanes) acc = vfma(vload(wr + i), vload(x + i), acc);
-    float s = vsum(acc);
-    for (int64_t j = i; j < in; ++j) s += wr[j] * x[j];
-    y[o] = s;
-  }
+  for (int64_t o = o_begin; o < o_end; ++o) y[o] = dot(w + o * in, x, in);
 }
 
 // y[m0 .. m0+MB, o0 .. o0+NO] for NO weight rows and MB x rows, the accumulators in registers. With ``prefetch``
