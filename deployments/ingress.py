@@ -23,7 +23,7 @@ import ray
 from grpc_health.v1 import health_pb2
 from ray import exceptions as ray_exceptions
 from ray import serve
-from ray.serve.handle import DeploymentHandle
+from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from deployments import api, auth
 from deployments.config import AppConfig
@@ -70,6 +70,8 @@ class _Sessions:
     tokens: list[int] = field(default_factory=list)  # every token emitted so far: the context after the prompt
     recoveries: int = 0
     draft_back: asyncio.Task | None = None  # after the draft stage was lost: resolves True once a draft replica answers
+    stream: bool = False  # the request never drafts: its steps come from one streamed call (``_decoded``)
+    decoding: DeploymentResponseGenerator | None = None  # that call, once its first step is asked for
 
 
 @serve.deployment(name="SpecDecodeIngress")
@@ -287,6 +289,7 @@ class SpecDecodeIngress(OpenAIRoutes):
                 self._lost(plan, "prefill", exc, s)
                 opened = await self._open_verify(plan, s, plan.prompt_ids, handoff.first_token, params)
             s.verify = self.verify.options(session_id=pin(opened.replica_id))
+            s.stream = self.config.speculation.stream_off and not plan.drafting
             timer.kv_handoff_ms = opened.handoff_ms
             self.metrics.kv_handoff(opened.resolved_bytes, opened.handoff_ms / 1000)
             first_token = handoff.first_token
@@ -316,6 +319,8 @@ class SpecDecodeIngress(OpenAIRoutes):
                     results = await self._execute(item, plan, s)
         finally:
             self.active -= 1
+            if s.decoding is not None:
+                s.decoding.cancel()
             # close both sessions without waiting (also when the client went away or the deadline passed)
             if s.verify is not None:
                 self._detached(s.verify.close.remote, s.verify_sid)
@@ -350,11 +355,17 @@ class SpecDecodeIngress(OpenAIRoutes):
             while True:
                 start = time.perf_counter()
                 try:
-                    results.verdict = await self._call("verify", s.verify.verify.remote(s.verify_sid, calls.verify.draft_ids,
-                                                                                        calls.verify.probs))
+                    if s.stream:
+                        results.verdict = await self._decoded(plan, s)
+                    else:
+                        results.verdict = await self._call("verify", s.verify.verify.remote(
+                            s.verify_sid, calls.verify.draft_ids, calls.verify.probs))
                     results.verify_s = time.perf_counter() - start
                     return
                 except Exception as exc:  # noqa: BLE001 - a lost replica is recovered from; anything else is raised
+                    if s.decoding is not None:
+                        s.decoding.cancel()
+                        s.decoding = None
                     if not _replica_lost(exc):
                         raise
                     await self._reopen_verify(plan, s, exc)  # then verify the same block again
@@ -366,6 +377,26 @@ class SpecDecodeIngress(OpenAIRoutes):
             if isinstance(outcome, BaseException):
                 raise outcome
         return results
+
+    async def _decoded(self, plan: api.Plan, s: _Sessions):
+        """The next verdict of the request's decode stream (Verify.decode: speculation off as one streamed call),
+        which is opened at the first step and again after a recovery, for the tokens still to come."""
+        if "verify" in self.unplaceable:
+            raise StageUnavailableError(self.unplaceable["verify"])
+        if s.decoding is None:
+            s.decoding = s.verify.options(stream=True).decode.remote(
+                s.verify_sid, plan.max_new_tokens - len(s.tokens), sorted(self.target.eos_token_ids))
+        timeout = self.config.limits.stage_timeout_s
+        start = time.perf_counter()
+        try:
+            async with asyncio.timeout(timeout):
+                verdict = await anext(s.decoding)
+        except TimeoutError:
+            raise StageUnavailableError(f"stage 'verify' did not answer within {timeout:g}s") from None
+        except StopAsyncIteration:  # (the loop asks for no step beyond max_new_tokens or an end-of-sequence token)
+            raise RuntimeError("the verify stage's decode stream ended before the request") from None
+        self.metrics.stage_call("verify", time.perf_counter() - start)
+        return verdict
 
     # -- recovery from lost replicas ------------------------------------------------------------
 

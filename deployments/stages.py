@@ -16,7 +16,7 @@ import gc
 import itertools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -268,6 +268,48 @@ class Verify(_Stage):
         )
         warm_up(self.engine.runner)
         self.batcher = self._batcher(self._verify_pass)
+        self._decoding: set[str] = set()  # sessions decoding as a stream (``decode``) until they close
+        self.decode_streams = 0  # decode calls in all
+
+    async def stats(self) -> dict:
+        """``_Stage.stats``, and the decode streams running now (``decoding``) and started in all (``decode_streams``)."""
+        return {**await super().stats(), "decoding": len(self._decoding), "decode_streams": self.decode_streams}
+
+    async def decode(self, request_id: str, max_tokens: int, stop_ids: list[int]) -> AsyncIterator[VerifyResult]:
+        """Decode without drafts, as one streamed call: a verdict per step, each step joining the batched passes as a
+        verify call does, until a token in ``stop_ids``, ``max_tokens`` steps, ``close`` or the caller's cancel.
+
+        Speculation off then costs one stage call per request, not one per token, and a session's next step joins
+        the very next pass: the steps run in a task of their own that does not wait for the stream's reader (vLLM's
+        engine loop, where a running request is in every step and its outputs are queued for the client)."""
+        stop = set(stop_ids)
+        verdicts: asyncio.Queue = asyncio.Queue()  # VerifyResult per step; then None (the end) or the exception
+
+        async def steps() -> None:
+            try:
+                for _ in range(max_tokens):
+                    await self.faults.point("verify")  # (every step counts as a verify call)
+                    if request_id not in self._decoding:  # closed meanwhile
+                        break
+                    verdict = await self.batcher.submit(VerifyCall(request_id, [], None))
+                    verdicts.put_nowait(verdict)
+                    if stop.intersection(verdict.token_ids):
+                        break
+                verdicts.put_nowait(None)
+            except Exception as exc:  # noqa: BLE001 - raised to the reader
+                verdicts.put_nowait(exc)
+
+        self._decoding.add(request_id)
+        self.decode_streams += 1
+        stepping = asyncio.get_running_loop().create_task(steps())
+        try:
+            while (item := await verdicts.get()) is not None:
+                if isinstance(item, Exception):
+                    raise item
+                yield item
+        finally:
+            stepping.cancel()
+            self._decoding.discard(request_id)
 
     async def open(self, request_id: str, handoff: KVHandoff, params: SamplingParams, features: bool = False) -> SessionOpened:
         """``features``: each verdict carries the target's features of the accepted positions (feature drafters)."""
@@ -289,5 +331,6 @@ class Verify(_Stage):
 
     async def close(self, request_id: str) -> None:
         self.batcher.forget(request_id)
+        self._decoding.discard(request_id)
         await self._run(self.engine.close, request_id)
 

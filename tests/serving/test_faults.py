@@ -74,6 +74,24 @@ def test_verify_replica_killed_mid_stream(client, expected):
     assert _recoveries()["verify"] == before + 1
 
 
+def test_verify_replica_lost_mid_decode_stream(client, expected):
+    """Speculation off: the steps come from one streamed call to the verify replica (Verify.decode). Its 5th step
+    holds, the test kills the replica; the ingress reopens the session on the replacement and streams the rest."""
+    before = _recoveries().get("verify", 0)
+    name = arm("Verify", "verify", "hold", after=4)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        answer = pool.submit(lambda: list(client.stream(messages=[("user", LONG[1])], speculate=False)))
+        until("a decode step held", lambda: held("Verify"))
+        _kill(name)
+        chunks = answer.result(timeout=BOUND_S)
+    assert _tokens(chunks) == expected(LONG[1])
+    assert chunks[-1].speculation_stats.drafted == 0
+    assert _recoveries()["verify"] == before + 1
+    stats = until("the session closed on the replacement", lambda: handle("Verify").stats.remote().result(timeout_s=60),
+                  done=lambda st: st["sessions"] == 0)
+    assert stats["decode_streams"] == 1 and stats["decoding"] == 0, stats
+
+
 def test_prefill_replica_exits(client, expected):
     """The prefill replica dies on the request's prefill; the call is retried on its replacement."""
     before = _recoveries().get("prefill", 0)

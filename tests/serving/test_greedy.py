@@ -68,6 +68,25 @@ def test_stop_sequence_and_raw_prompt(client, target_info):
     assert raw.usage.prompt_tokens == len(target_info.tokenizer("The capital of France is")["input_ids"])
 
 
+def test_speculation_off_is_one_decode_stream(client, reference, target_info):
+    """Without speculation a request's steps come from one streamed call to its verify replica (Verify.decode), and
+    a stop sequence that cuts the answer ends that stream and closes the session."""
+    from tests.serving.conftest import handle, until
+
+    def verify_stats():
+        return handle("Verify").stats.remote().result(timeout_s=60)
+
+    before = verify_stats()["decode_streams"]
+    response = client.generate(messages=[("user", PROMPTS[2])], max_new_tokens=MAX_NEW_TOKENS, speculate=False)
+    assert list(response.token_ids) == reference(PROMPTS[2])
+    assert response.speculation_stats.steps == len(response.token_ids) - 1  # a step per token after prefill's
+    assert verify_stats()["decode_streams"] == before + 1
+    cut = list(client.stream(messages=[("user", "Count from 1 to 10.")], max_new_tokens=40, stop=["4"], speculate=False))
+    assert cut[-1].finish_reason == pb.FINISH_REASON_STOP_SEQUENCE
+    stats = until("the cut request's session closed", verify_stats, done=lambda st: st["sessions"] == 0)
+    assert stats["decoding"] == 0 and stats["decode_streams"] == before + 2, stats
+
+
 @pytest.mark.parametrize("drafter,overlap", [("model", False), ("eagle", False), ("eagle", True)])
 def test_seeded_sampling_is_reproducible_through_the_graph(client, drafter, overlap):
     """temperature > 0 with a seed: the same request gives the same answer (random streams travel with the session)."""
