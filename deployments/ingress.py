@@ -72,6 +72,7 @@ class _Sessions:
     draft_back: asyncio.Task | None = None  # after the draft stage was lost: resolves True once a draft replica answers
     stream: bool = False  # the request never drafts: its steps come from one streamed call (``_decoded``)
     decoding: DeploymentResponseGenerator | None = None  # that call, once its first step is asked for
+    decoded_at: float | None = None  # time.perf_counter() when its last verdict came
 
 
 @serve.deployment(name="SpecDecodeIngress")
@@ -365,7 +366,7 @@ class SpecDecodeIngress(OpenAIRoutes):
                 except Exception as exc:  # noqa: BLE001 - a lost replica is recovered from; anything else is raised
                     if s.decoding is not None:
                         s.decoding.cancel()
-                        s.decoding = None
+                        s.decoding, s.decoded_at = None, None
                     if not _replica_lost(exc):
                         raise
                     await self._reopen_verify(plan, s, exc)  # then verify the same block again
@@ -395,7 +396,11 @@ class SpecDecodeIngress(OpenAIRoutes):
             raise StageUnavailableError(f"stage 'verify' did not answer within {timeout:g}s") from None
         except StopAsyncIteration:  # (the loop asks for no step beyond max_new_tokens or an end-of-sequence token)
             raise RuntimeError("the verify stage's decode stream ended before the request") from None
-        self.metrics.stage_call("verify", time.perf_counter() - start)
+        now = time.perf_counter()
+        self.metrics.stage_call("verify", now - start)
+        if s.decoded_at is not None:  # a token's time on this path, for RequestGate (not the stream's first)
+            self.costs[plan.drafter].observe_off_step(now - s.decoded_at)
+        s.decoded_at = now
         return verdict
 
     # -- recovery from lost replicas ------------------------------------------------------------
@@ -584,6 +589,7 @@ class SpecDecodeIngress(OpenAIRoutes):
                 "verify_ms": {n: round(s * 1000, 2) for n, s in sorted(costs.verify_s.items())},
                 "propose_ms": {k: round(s * 1000, 2) for k, s in sorted(costs.propose_s.items())},
                 "overhead_ms": round(costs.overhead_s * 1000, 2),
+                "off_step_ms": round(costs.off_step_s * 1000, 2) if costs.off_step_s is not None else None,
                 "acceptance_by_position": [round(counts.rate(j), 3) for j in range(len(counts.reached))] if counts else [],
             }
         return state

@@ -94,6 +94,14 @@ class CostModel:
     verify_s: dict[int, float] = field(default_factory=dict)
     propose_s: dict[int, float] = field(default_factory=dict)
     overhead_s: float = 0.0  # per step, beyond the stage calls
+    # per token of a request decoding without a drafter, as the driver sees it (None: not measured). A driver that
+    # decodes such requests faster than a k = 0 step of a speculating request (the graph streams them) sets it, and
+    # ``RequestGate`` weighs speculation against it
+    off_step_s: float | None = None
+
+    def observe_off_step(self, seconds: float) -> None:
+        self.off_step_s = _moving_average(self.off_step_s, seconds if self.off_step_s is None
+                                          else min(seconds, OUTLIER_CAP * self.off_step_s))
 
     def observe_verify(self, tokens: int, seconds: float) -> None:
         _ema(self.verify_s, tokens, seconds)
@@ -180,10 +188,19 @@ class AdaptiveK:
 
     def would_speculate(self) -> bool:
         """Whether a request's first step would draft (without probing): not overloaded, and the costs and the
-        acceptance measured so far say speculation pays, or nothing has been measured yet."""
+        acceptance measured so far say speculation pays — also against a request without a drafter, where the
+        driver measured those (``CostModel.off_step_s``) — or nothing has been measured yet."""
         if self.overloaded:
             return False
-        return self.costs.step(1) is None or self._best(self.k_max) > 0
+        if self.costs.step(1) is None:
+            return True
+        best = self._best(self.k_max)
+        if best == 0:
+            return False
+        if self.costs.off_step_s is None:
+            return True
+        gains = expected_tokens([self.counts.rate(j, self.prior) for j in range(best)])
+        return gains[best] / self.costs.step(best) >= (1 + self.margin) / self.costs.off_step_s
 
     @property
     def overloaded(self) -> bool:
