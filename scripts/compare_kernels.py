@@ -2,9 +2,10 @@
 
     .venv/bin/python scripts/compare_kernels.py 8a7600d   # --sessions 1,4,8,16 --rows 1,2 --repeats 8
 
-Builds that commit's ``services/csrc/skinny_gemm.cpp`` as a second extension and alternates, pass by pass, the
-current forward (compiled attention, current matmul kernel) with the earlier one (SDPA per sequence, earlier
-matmul kernel), so machine noise hits both alike. One torch thread, greedy, random prompts of 150-300 tokens.
+Builds that commit's ``services/csrc`` kernels as a second extension and alternates, pass by pass, the current
+forward (current matmul kernel and attention) with the earlier one (that commit's matmul kernel, and its compiled
+attention where it had one, else SDPA per sequence), so machine noise hits both alike. One torch thread, greedy,
+random prompts of 150-300 tokens.
 """
 
 from __future__ import annotations
@@ -18,16 +19,23 @@ from pathlib import Path
 import torch
 
 
-def _earlier_kernel(commit: str):
+def _earlier_kernels(commit: str):
+    """That commit's compiled kernels, as a second extension: its csrc/ sources (the matmul kernel alone before
+    bindings.cpp existed)."""
     from torch.utils.cpp_extension import load
 
-    source = subprocess.run(["git", "show", f"{commit}:services/csrc/skinny_gemm.cpp"], check=True,
-                            capture_output=True, text=True).stdout
-    path = Path(tempfile.mkdtemp()) / "skinny_gemm_earlier.cpp"
-    path.write_text(source)
     from services.kernels import build_flags
 
-    return load(name=f"splitspec_skinny_gemm_{commit}", sources=[str(path)], extra_cflags=build_flags()).skinny_gemm
+    listed = subprocess.run(["git", "ls-tree", "--name-only", f"{commit}:services/csrc"], check=True,
+                            capture_output=True, text=True).stdout.split()
+    folder = Path(tempfile.mkdtemp())
+    for name in listed:
+        source = subprocess.run(["git", "show", f"{commit}:services/csrc/{name}"], check=True, capture_output=True,
+                                text=True).stdout
+        (folder / name).write_text(source)
+    sources = [n for n in listed if n.endswith(".cpp")] if "bindings.cpp" in listed else ["skinny_gemm.cpp"]
+    return load(name=f"splitspec_kernels_{commit}", sources=[str(folder / n) for n in sources],
+                extra_cflags=build_flags())
 
 
 def main() -> None:
@@ -43,9 +51,21 @@ def main() -> None:
     from services.models import default_pair
     from services.runner import make_runner
 
+    from services.fast_llama import Linear
+
     runner = make_runner(load_causal_lm(default_pair.prepare()[0]))
-    current = (kernels.skinny_gemm(), kernels.decode_attention())
-    earlier = (_earlier_kernel(args.commit), None)
+    earlier_module = _earlier_kernels(args.commit)
+    earlier_gemm = earlier_module.skinny_gemm
+    earlier_attention = getattr(earlier_module, "decode_attention", None)
+
+    def earlier_skinny(linear, x):  # that commit's kernel: x [m, in], w [out, in] (kept here once per weight)
+        if not hasattr(linear, "_earlier_w"):
+            linear._earlier_w = linear.weight_t.t().contiguous()
+        return earlier_gemm(x, linear._earlier_w)
+
+    attention = kernels.decode_attention()
+    current = (Linear._skinny, lambda: attention)
+    earlier = (earlier_skinny, lambda: earlier_attention)  # (None: SDPA per sequence)
     gen = torch.Generator().manual_seed(0)
     print(f"ms per verify pass, current vs {args.commit}, mean of {args.repeats} alternating passes:")
     for sessions in map(int, args.sessions.split(",")):
@@ -58,7 +78,7 @@ def main() -> None:
             totals = {"current": 0.0, "earlier": 0.0}
             for step in range(args.repeats + 1):  # the first round warms up
                 for name, (gemm, attend) in (("current", current), ("earlier", earlier)):
-                    kernels.skinny_gemm, kernels.decode_attention = (lambda g=gemm: g), (lambda a=attend: a)
+                    Linear._skinny, kernels.decode_attention = gemm, attend
                     chunks = [(torch.randint(5, 1000, (rows,), generator=gen), cache) for cache in caches]
                     start = time.perf_counter()
                     runner.forward_batch(chunks)

@@ -1,8 +1,9 @@
 """Optional compiled kernels, built on first use with the machine's C++ compiler.
 
 * ``skinny_gemm()`` returns a function computing ``x @ w.T`` for a few rows
-  of x (a verify chunk, or several sessions' chunks batched) that reads each
-  weight row once (``csrc/skinny_gemm.cpp``);
+  of x (a decode step, a verify chunk, or several sessions' chunks batched)
+  that streams the weight once, packed by ``pack_weight`` into panels
+  (``csrc/skinny_gemm.cpp``);
 * ``decode_attention()`` returns a function that appends several sequences'
   short chunks to their KV caches and computes their attention in one call
   (``csrc/decode_attention.cpp``), where SDPA would be one call per sequence
@@ -20,6 +21,8 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
+
+import torch
 
 logger = logging.getLogger(__name__)
 
@@ -74,9 +77,19 @@ def _kernels():
 
 
 def skinny_gemm():
-    """``x [m, in], w [out, in] -> x @ w.T``, built on first call (None if unavailable)."""
+    """``(x [m, in], pack_weight(w), out) -> x @ w.T [m, out]``, built on first call (None if unavailable)."""
     module = _kernels()
     return None if module is None else module.skinny_gemm
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:  # [out, in] -> [ceil(out / 64), in, 64]
+    """``weight`` in ``skinny_gemm``'s layout: panels of 64 outputs (the last zero-padded), each input by input."""
+    width = _kernels().panel_width()
+    out, inputs = weight.shape
+    panels = -(-out // width)
+    padded = torch.zeros(panels * width, inputs, dtype=weight.dtype)
+    padded[:out] = weight
+    return padded.view(panels, width, inputs).transpose(1, 2).contiguous()
 
 
 def decode_attention():

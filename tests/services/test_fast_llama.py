@@ -74,11 +74,31 @@ def test_skinny_kernel_rows_do_not_depend_on_their_batch():
         pytest.skip("no compiled kernel here: BLAS fallback")
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(303, 136, generator=gen)
+    packed = kernels.pack_weight(weight)
     x = torch.randn(13, 136, generator=gen)
-    batched = kernel(x, weight)
+    batched = kernel(x, packed, 303)
     for row in range(13):
-        assert torch.equal(kernel(x[row : row + 1], weight), batched[row : row + 1]), row
-    assert torch.equal(kernel(x[3:10], weight), batched[3:10])
+        assert torch.equal(kernel(x[row : row + 1], packed, 303), batched[row : row + 1]), row
+    assert torch.equal(kernel(x[3:10], packed, 303), batched[3:10])
+
+
+def test_skinny_kernel_sums_each_product_input_by_input():
+    """Every output is one fused multiply-add per input, in input order (no other order on any path, vector width
+    or blocking): the same bits as that sum computed one column at a time."""
+    from services import kernels
+
+    kernel = kernels.skinny_gemm()
+    if kernel is None:
+        pytest.skip("no compiled kernel here: BLAS fallback")
+    gen = torch.Generator().manual_seed(1)
+    weight = torch.randn(70, 40, generator=gen)
+    x = torch.randn(9, 40, generator=gen)
+    y = kernel(x, kernels.pack_weight(weight), 70)
+    expected = torch.zeros(9, 70)
+    for i in range(40):  # a float32 FMA: the exact product plus the sum, rounded once to float32 (in float64 the
+        # product is exact; rounding the sum to float64 first differs only in rare double-rounding cases, ~2^-29 each)
+        expected = torch.addcmul(expected.double(), x[:, i : i + 1].double(), weight[:, i].double()).float()
+    assert torch.equal(y, expected)
 
 
 def test_skinny_kernel_builds_here():
