@@ -38,7 +38,7 @@ from services.draft import DRAFTERS, EAGLE_DRAFTER, FEATURE_DRAFTERS, MODEL_DRAF
 from services.errors import CapacityError, SessionEvictedError, SessionNotFoundError
 from services.loading import check_tokenizers, describe
 from services.loop import PRE_DRAFT_GUESSES, Calls, Results, SpeculativeLoop, StepOutput
-from services.policy import DECLINED_DROPPED, AcceptanceCounts, AdaptiveK, CostModel, RequestGate
+from services.policy import AcceptanceCounts, AdaptiveK, CostModel, RequestGate
 from services.sampling import reseeded
 from services.text import TextStream
 from splitspec.v1 import splitspec_pb2 as pb
@@ -103,7 +103,6 @@ class SpecDecodeIngress(OpenAIRoutes):
         self.gates = defaultdict(lambda: RequestGate(self.config.speculation.explore_every))  # per drafter
         self.active = 0  # requests between prefill and their last step on this replica (the adaptive policy's load)
         self.recoveries: dict[str, int] = defaultdict(int)  # lost stage replicas recovered from, by stage
-        self.declines: dict[str, int] = defaultdict(int)  # adaptive requests without a drafter, by reason
         self._detached_tasks: set[asyncio.Task] = set()  # closes that outlive their requests (``_detached``)
         self._check_placement()
         self._watchdog = asyncio.get_event_loop().create_task(self._watch_placement())
@@ -262,7 +261,7 @@ class SpecDecodeIngress(OpenAIRoutes):
                 why = self.gates[plan.drafter].decline(self._policy(plan))
                 if why:
                     plan.declined = True
-                    self._declined(why)
+                    self.metrics.declined(why)
             # 1. prefill the target and, in parallel, start the draft session over the same prompt
             #    (a feature drafter starts once prefill has its prompt features; they go by reference)
             features = s.features = plan.drafting and plan.drafter in FEATURE_DRAFTERS
@@ -315,11 +314,6 @@ class SpecDecodeIngress(OpenAIRoutes):
                     s.tokens += item.token_ids
                     yield item
                     results = None
-                    if plan.stats.dropped_drafter and s.draft is not None:  # the rest without a drafter: streamed
-                        self._detached(s.draft.close.remote, s.draft_sid)
-                        s.draft = None
-                        s.stream = self.config.speculation.stream_off and s.draft_back is None
-                        self._declined(DECLINED_DROPPED)
                     if s.draft_back is not None and s.draft_back.done():  # a draft replica is back: draft again
                         await self._restart_draft(plan, s, loop)
                 else:  # 3.-5. draft, verify, accept (concurrently when pre-drafting)
@@ -337,11 +331,6 @@ class SpecDecodeIngress(OpenAIRoutes):
                 self._close_when_started(sid, started)
             if s.draft_back is not None:
                 s.draft_back.cancel()
-
-    def _declined(self, reason: str) -> None:
-        """An adaptive request goes without its drafter (from the start, or dropped mid-way): counted by reason."""
-        self.metrics.declined(reason)
-        self.declines[reason] += 1
 
     def _policy(self, plan: api.Plan) -> AdaptiveK:
         """A request's adaptive k, on this replica's measured costs and its drafter's acceptance so far."""
@@ -607,12 +596,10 @@ class SpecDecodeIngress(OpenAIRoutes):
 
     async def stats(self) -> dict:
         """This replica: requests running, resident memory, the lost stage replicas it has recovered from, by
-        stage (``draft_replica_answered``: times a request that lost its draft replica found a live one), the
-        requests it has finished, by "<method> <outcome>" (as splitspec_requests_total counts them), and the adaptive
-        requests that went without a drafter, by reason (as splitspec_speculation_declined_total counts them)."""
+        stage (``draft_replica_answered``: times a request that lost its draft replica found a live one), and the
+        requests it has finished, by "<method> <outcome>" (as splitspec_requests_total counts them)."""
         return {"replica_id": serve.get_replica_context().replica_id.unique_id, "active": self.active,
-                "rss_bytes": rss_bytes(), "recoveries": dict(self.recoveries), "requests": dict(self.metrics.outcomes),
-                "declined": dict(self.declines)}
+                "rss_bytes": rss_bytes(), "recoveries": dict(self.recoveries), "requests": dict(self.metrics.outcomes)}
 
     async def collect_garbage(self) -> int:
         """Run Python's cycle collector now (see Stage.collect_garbage); returns what it found."""

@@ -50,8 +50,7 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "splitspec_recoveries": ("counter", "Stage replicas a request lost (killed, OOM, node gone) and recovered from, by stage: "
                              "prefill / verify retried or reopened on a live replica, draft resumed.", ("stage",)),
     "splitspec_speculation_declined": ("counter", "Adaptive requests served without a drafter, by reason: speculation had not "
-                                       "paid on earlier requests (cost), the ingress was overloaded (load), or the "
-                                       "request dropped its drafter after its first steps (dropped).", ("reason",)),
+                                       "paid on earlier requests (cost) or the ingress was overloaded (load).", ("reason",)),
     "splitspec_time_to_first_token_seconds": ("histogram", "Request received -> first token ready.", ()),
     "splitspec_inter_token_latency_seconds": ("histogram", "Time between consecutive tokens sent to a client (per token).", ()),
     "splitspec_request_latency_seconds": ("histogram", "Request received -> last token ready.", ()),

@@ -71,7 +71,6 @@ class SpeculationStats:
     accepted: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
     pre_drafts: int = 0  # steps whose verification overlapped a pre-draft
-    dropped_drafter: bool = False  # the adaptive policy dropped the drafter mid-request (AdaptiveK.drop_drafter)
     pre_draft_hits: int = 0  # of which the next block was ready when the verdict came
 
     def add(self, step: StepOutput) -> None:
@@ -210,9 +209,6 @@ class SpeculativeLoop:
                 self.policy.costs.observe_overhead(now - step_start - calls_s)
             step_start, calls_s = now, 0.0
             pre_draft = None
-            if self.drafting and not self.overlap and self.policy is not None and self.policy.drop_drafter():
-                self.drafting = False  # for good: the driver may close the draft session and stream the rest
-                self.stats.dropped_drafter = True
             if self.drafting and self.overlap:
                 block, block_probs = block[: remaining - 1], block_probs[: remaining - 1] if block_probs is not None else None
                 if remaining > 1:  # (at 1, this step's token is the last)

@@ -54,9 +54,7 @@ DEFAULT_MARGIN = 0.05
 DEFAULT_PROBE_EVERY = 16
 MAX_PROBE_EVERY = 128  # probes that do not turn speculation back on back off, doubling up to this
 DEFAULT_EXPLORE_EVERY = 8  # of the requests declined on cost, every this many speculates anyway (RequestGate)
-DROP_AFTER_STEPS = 8  # a request that speculates where the path without a drafter is faster drops its drafter after this many steps
 DECLINED_COST, DECLINED_LOAD = "cost", "load"  # why RequestGate declined a request
-DECLINED_DROPPED = "dropped"  # ... or why a request went on without its drafter (AdaptiveK.drop_drafter)
 
 
 @dataclass
@@ -152,7 +150,6 @@ class AdaptiveK:
     probe_every: int = DEFAULT_PROBE_EVERY
     counts: AcceptanceCounts = field(default_factory=AcceptanceCounts)
     steps_without_drafting: int = 0
-    steps: int = 0  # steps observed in this request
     steps_since_explore: int = 0
     probe_interval: int = 0  # steps at k = 0 before the next probe (starts at probe_every)
     load: Callable[[], int] | None = None  # requests the driver is serving now, this one included
@@ -218,15 +215,7 @@ class AdaptiveK:
         rate = {k: gains[k] / t for k in range(1, self.k_max + 1) if (t := self.costs.verify(k + 1)) is not None}
         return max(rate, key=rate.get) if rate else 1
 
-    def drop_drafter(self) -> bool:
-        """Whether the request should go on without its drafter for good: the driver has measured the path without
-        one (``CostModel.off_step_s``), the request has taken ``DROP_AFTER_STEPS`` steps (an exploring request
-        refreshes the estimates), and speculation does not beat that path (``would_speculate``). Where the driver
-        streams that path, an explored request then costs a few steps, not its whole length."""
-        return self.costs.off_step_s is not None and self.steps >= DROP_AFTER_STEPS and not self.would_speculate()
-
     def observe(self, n_drafted: int, n_matches: int) -> None:
-        self.steps += 1
         self.counts.add(n_drafted, n_matches)
         if self.prior is not None:
             self.prior.add(n_drafted, n_matches)

@@ -226,23 +226,3 @@ def test_request_gate_weighs_speculation_against_the_measured_path_without_a_dra
     for _ in range(30):
         faster.observe_off_step(30e-3)  # the moving average follows the path's cost
     assert not AdaptiveK(faster, prior=acceptance).would_speculate()
-
-
-def test_a_request_drops_its_drafter_where_the_path_without_one_is_faster(tiny, engines):
-    """Once the driver has measured the path without a drafter (off_step_s) and that beats speculating, a request
-    drafts for DROP_AFTER_STEPS steps (refreshing the estimates), then goes on without its drafter: same tokens."""
-    from services.policy import DROP_AFTER_STEPS
-
-    target, _ = tiny
-    prefill, draft, verify = engines
-    prompt = PROMPTS[0]
-    costs_ = costs(40e-3, 0.2, 6e-3, hop=3e-3)
-    costs_.observe_off_step(1e-3)  # a path without a drafter far faster than any speculation
-    result = generate(prefill, draft, verify, prompt, max_new_tokens=NEW_TOKENS, num_draft_tokens=4,
-                      params=SamplingParams(), drafter="model", policy=AdaptiveK(costs_, prior=counts([0.9] * 4)))
-    assert result.token_ids == greedy_reference(target.model, prompt, NEW_TOKENS)
-    assert result.stats.dropped_drafter and result.stats.steps > DROP_AFTER_STEPS
-    assert result.stats.drafted > 0  # it drafted first (the prior says drafts are accepted)
-    kept = AdaptiveK(costs(40e-3, 0.2, 6e-3, hop=3e-3), prior=counts([0.9] * 4))  # off_step_s never measured
-    kept.steps = 100
-    assert not kept.drop_drafter()  # (in-process drivers measure no such path: nothing is dropped)

@@ -87,27 +87,6 @@ def test_speculation_off_is_one_decode_stream(client, reference, target_info):
     assert stats["decoding"] == 0 and stats["decode_streams"] == before + 2, stats
 
 
-def test_a_dropped_drafter_streams_the_rest(client, reference):
-    """An adaptive request that finds speculation slower than the streamed path without a drafter (measured on
-    earlier requests) drops its drafter after its first steps and streams the rest: every request without a drafter
-    — declined at the start or dropped mid-way — is one decode stream, and each answer is the target's."""
-    from tests.serving.conftest import handle
-
-    def counts():
-        ingress = handle("SpecDecodeIngress").stats.remote().result(timeout_s=60)["declined"]
-        return sum(ingress.values()), handle("Verify").stats.remote().result(timeout_s=60)["decode_streams"]
-
-    client.generate(messages=[("user", PROMPTS[3])], max_new_tokens=MAX_NEW_TOKENS, speculate=False)
-    state = handle("SpecDecodeIngress").policy_state.remote().result(timeout_s=60)
-    assert state["eagle"]["off_step_ms"] is not None  # the streamed path's time per token was measured
-    declined, streams = counts()
-    for prompt in PROMPTS[:4]:
-        response = client.generate(messages=[("user", prompt)], max_new_tokens=MAX_NEW_TOKENS)  # the server default
-        assert list(response.token_ids) == reference(prompt), prompt
-    declined_after, streams_after = counts()
-    assert streams_after - streams == declined_after - declined, (declined, declined_after, streams, streams_after)
-
-
 @pytest.mark.parametrize("drafter,overlap", [("model", False), ("eagle", False), ("eagle", True)])
 def test_seeded_sampling_is_reproducible_through_the_graph(client, drafter, overlap):
     """temperature > 0 with a seed: the same request gives the same answer (random streams travel with the session)."""
