@@ -70,8 +70,7 @@ class _Sessions:
     tokens: list[int] = field(default_factory=list)  # every token emitted so far: the context after the prompt
     recoveries: int = 0
     draft_back: asyncio.Task | None = None  # after the draft stage was lost: resolves True once a draft replica answers
-    stream: bool = False  # the request never drafts: its steps come from one streamed call (``_decoded``)
-    decoding: DeploymentResponseGenerator | None = None  # that call, once its first step is asked for
+    decoding: DeploymentResponseGenerator | None = None  # without a drafter: the streamed call (``_decoded``)
     decoded_at: float | None = None  # time.perf_counter() when its last verdict came
 
 
@@ -290,7 +289,6 @@ class SpecDecodeIngress(OpenAIRoutes):
                 self._lost(plan, "prefill", exc, s)
                 opened = await self._open_verify(plan, s, plan.prompt_ids, handoff.first_token, params)
             s.verify = self.verify.options(session_id=pin(opened.replica_id))
-            s.stream = self.config.speculation.stream_off and not plan.drafting
             timer.kv_handoff_ms = opened.handoff_ms
             self.metrics.kv_handoff(opened.resolved_bytes, opened.handoff_ms / 1000)
             first_token = handoff.first_token
@@ -356,7 +354,7 @@ class SpecDecodeIngress(OpenAIRoutes):
             while True:
                 start = time.perf_counter()
                 try:
-                    if s.stream:
+                    if self.config.speculation.stream_off and not plan.drafting:  # one streamed call
                         results.verdict = await self._decoded(plan, s)
                     else:
                         results.verdict = await self._call("verify", s.verify.verify.remote(
@@ -382,22 +380,14 @@ class SpecDecodeIngress(OpenAIRoutes):
     async def _decoded(self, plan: api.Plan, s: _Sessions):
         """The next verdict of the request's decode stream (Verify.decode: speculation off as one streamed call),
         which is opened at the first step and again after a recovery, for the tokens still to come."""
-        if "verify" in self.unplaceable:
-            raise StageUnavailableError(self.unplaceable["verify"])
         if s.decoding is None:
             s.decoding = s.verify.options(stream=True).decode.remote(
                 s.verify_sid, plan.max_new_tokens - len(s.tokens), sorted(self.target.eos_token_ids))
-        timeout = self.config.limits.stage_timeout_s
-        start = time.perf_counter()
         try:
-            async with asyncio.timeout(timeout):
-                verdict = await anext(s.decoding)
-        except TimeoutError:
-            raise StageUnavailableError(f"stage 'verify' did not answer within {timeout:g}s") from None
+            verdict = await self._call("verify", anext(s.decoding))
         except StopAsyncIteration:  # (the loop asks for no step beyond max_new_tokens or an end-of-sequence token)
             raise RuntimeError("the verify stage's decode stream ended before the request") from None
         now = time.perf_counter()
-        self.metrics.stage_call("verify", now - start)
         if s.decoded_at is not None:  # a token's time on this path, for RequestGate (not the stream's first)
             self.costs[plan.drafter].observe_off_step(now - s.decoded_at)
         s.decoded_at = now
@@ -509,7 +499,8 @@ class SpecDecodeIngress(OpenAIRoutes):
         logger.info("request %s: speculation resumed on a draft replica after %d tokens", plan.request_id, len(s.tokens))
 
     async def _call(self, stage: str, response):
-        """Await a stage call; a stage that does not answer in time is UNAVAILABLE, not a hang."""
+        """Await a stage call (a response, or a stream's next item); a stage that does not answer in time is
+        UNAVAILABLE, not a hang."""
         if stage in self.unplaceable:
             raise StageUnavailableError(self.unplaceable[stage])
         timeout = self.config.limits.stage_timeout_s
@@ -519,7 +510,8 @@ class SpecDecodeIngress(OpenAIRoutes):
             self.metrics.stage_call(stage, time.perf_counter() - start)
             return result
         except asyncio.TimeoutError:
-            response.cancel()
+            if hasattr(response, "cancel"):  # a response (wait_for cancelled a stream's pending item itself)
+                response.cancel()
             raise StageUnavailableError(f"stage {stage!r} did not answer within {timeout:g}s") from None
 
     def _fall_back(self, plan: api.Plan, exc: Exception, when: str) -> None:

@@ -100,8 +100,7 @@ class CostModel:
     off_step_s: float | None = None
 
     def observe_off_step(self, seconds: float) -> None:
-        self.off_step_s = _moving_average(self.off_step_s, seconds if self.off_step_s is None
-                                          else min(seconds, OUTLIER_CAP * self.off_step_s))
+        self.off_step_s = _capped_average(self.off_step_s, seconds)
 
     def observe_verify(self, tokens: int, seconds: float) -> None:
         _ema(self.verify_s, tokens, seconds)
@@ -261,9 +260,12 @@ def _extrapolate(averages: dict[int, float], key: int, scale) -> float | None:
 
 
 def _ema(averages: dict[int, float], key: int, value: float) -> None:
+    averages[key] = _capped_average(averages.get(key), value)
+
+
+def _capped_average(old: float | None, value: float) -> float:
     """Moving average; one slow call (a pause, another process's burst) counts as at most OUTLIER_CAP x the average."""
-    old = averages.get(key)
-    averages[key] = _moving_average(old, value if old is None else min(value, OUTLIER_CAP * old))
+    return _moving_average(old, value if old is None else min(value, OUTLIER_CAP * old))
 
 
 def _moving_average(old: float | None, value: float) -> float:

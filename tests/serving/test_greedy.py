@@ -68,7 +68,7 @@ def test_stop_sequence_and_raw_prompt(client, target_info):
     assert raw.usage.prompt_tokens == len(target_info.tokenizer("The capital of France is")["input_ids"])
 
 
-def test_speculation_off_is_one_decode_stream(client, reference, target_info):
+def test_speculation_off_is_one_decode_stream(client, reference):
     """Without speculation a request's steps come from one streamed call to its verify replica (Verify.decode), and
     a stop sequence that cuts the answer ends that stream and closes the session."""
     from tests.serving.conftest import handle, until
