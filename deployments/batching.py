@@ -13,7 +13,9 @@ just after the next pass would have started without them. Started at once,
 the passes settle into two alternating half-batches. So after a pass the
 batcher waits for the sessions it answered — until all are back, they close
 (``forget``), or ``gather_fraction`` of the pass's time has gone (at most
-``gather_max_s``) — and then runs them together with everyone queued.
+``gather_max_s``) — and then runs them together with everyone queued. A
+session being opened is waited for the same way (``expect``): its first call
+comes a moment after its open, which runs between two passes.
 """
 
 from __future__ import annotations
@@ -65,6 +67,7 @@ class ContinuousBatcher(Generic[C, R]):
         self._draining = False
         self._drainer: asyncio.Task | None = None
         self._expected: set[str] = set()  # sessions the last pass answered that have not called again
+        self._joining: set[str] = set()  # sessions about to make their first call (``expect``)
         self._gather_until = 0.0  # event-loop time until which a pass waits for them
         self._returned = asyncio.Event()
         self.passes = 0
@@ -79,11 +82,19 @@ class ContinuousBatcher(Generic[C, R]):
             self._drainer = asyncio.create_task(self._drain())  # keep a reference: the loop holds tasks weakly
         return await future
 
+    def expect(self, request_id: str) -> None:
+        """A session will make its first call soon (it is being opened): the next pass waits for it (within the
+        same bound) as for one the last pass answered."""
+        self._joining.add(request_id)
+        self._expected.add(request_id)
+        self._returned.clear()
+
     def forget(self, request_id: str) -> None:
         """The session closed: the next pass does not wait for it."""
         self._back(request_id)
 
     def _back(self, request_id: str) -> None:
+        self._joining.discard(request_id)
         self._expected.discard(request_id)
         if not self._expected:
             self._returned.set()
@@ -128,7 +139,8 @@ class ContinuousBatcher(Generic[C, R]):
                 except Exception as exc:  # the pass itself failed: every call in it gets the error
                     results = [exc] * len(batch)
                 queued = {call.request_id for call, _ in self._queue}
-                self._expected = {call.request_id for call in calls} - queued
+                self._expected = ({call.request_id for call in calls} - queued) | self._joining
+                self._joining.clear()  # (waited for after one pass at most: one that never calls costs one wait)
                 self._gather_until = loop.time() + min(self.gather_max_s, self.gather_fraction * (loop.time() - start))
                 self.passes += 1
                 self.largest_pass = max(self.largest_pass, len(calls))

@@ -273,7 +273,17 @@ class SpecDecodeIngress(OpenAIRoutes):
             if features and not plan.fallback:
                 started = self.draft.start.remote(sid, plan.prompt_ids, params, plan.drafter, handoff)
             # 2. hand the verifier the KV *reference*; it resolves the bytes from the object store (while the draft starts)
-            opening = self.verify.open.remote(sid, handoff, params, features)
+            if (self.config.speculation.stream_off and not plan.drafting and plan.max_new_tokens > 1
+                    and handoff.first_token not in self.target.eos_token_ids):
+                # without a drafter, the same call opens the session and decodes (Verify.decode): the first step
+                # follows the open on the replica, while the first token goes out
+                opening = anext(self._start_decoding(plan, s, plan.max_new_tokens - 1, opening=(handoff, params)))
+            else:
+                opening = self.verify.open.remote(sid, handoff, params, features)
+
+            def open_again():
+                self._stop_decoding(s)  # (a stream that failed to open goes with its failure)
+                return self.verify.open.remote(sid, handoff, params, features)
             if started is not None:
                 try:
                     s.draft = self.draft.options(session_id=pin((await self._call("draft", started)).replica_id))
@@ -281,9 +291,9 @@ class SpecDecodeIngress(OpenAIRoutes):
                     self._draft_lost(plan, s, exc, "start")
                 started = None
             try:
-                opened = await self._retrying(plan, "verify", lambda: self.verify.open.remote(sid, handoff, params, features),
-                                              first=opening)
+                opened = await self._retrying(plan, "verify", open_again, first=opening)
             except Exception as exc:  # noqa: BLE001 - the KV went with its prefill replica: prefill again
+                self._stop_decoding(s)
                 if not isinstance(unwrap(exc), ray_exceptions.ObjectLostError):
                     raise
                 self._lost(plan, "prefill", exc, s)
@@ -318,8 +328,7 @@ class SpecDecodeIngress(OpenAIRoutes):
                     results = await self._execute(item, plan, s)
         finally:
             self.active -= 1
-            if s.decoding is not None:
-                s.decoding.cancel()
+            self._stop_decoding(s)
             # close both sessions without waiting (also when the client went away or the deadline passed)
             if s.verify is not None:
                 self._detached(s.verify.close.remote, s.verify_sid)
@@ -362,9 +371,7 @@ class SpecDecodeIngress(OpenAIRoutes):
                     results.verify_s = time.perf_counter() - start
                     return
                 except Exception as exc:  # noqa: BLE001 - a lost replica is recovered from; anything else is raised
-                    if s.decoding is not None:
-                        s.decoding.cancel()
-                        s.decoding, s.decoded_at = None, None
+                    self._stop_decoding(s)
                     if not _replica_lost(exc):
                         raise
                     await self._reopen_verify(plan, s, exc)  # then verify the same block again
@@ -381,8 +388,7 @@ class SpecDecodeIngress(OpenAIRoutes):
         """The next verdict of the request's decode stream (Verify.decode: speculation off as one streamed call),
         which is opened at the first step and again after a recovery, for the tokens still to come."""
         if s.decoding is None:
-            s.decoding = s.verify.options(stream=True).decode.remote(
-                s.verify_sid, plan.max_new_tokens - len(s.tokens), sorted(self.target.eos_token_ids))
+            self._start_decoding(plan, s, plan.max_new_tokens - len(s.tokens))
         try:
             verdict = await self._call("verify", anext(s.decoding))
         except StopAsyncIteration:  # (the loop asks for no step beyond max_new_tokens or an end-of-sequence token)
@@ -392,6 +398,20 @@ class SpecDecodeIngress(OpenAIRoutes):
             self.costs[plan.drafter].observe_off_step(now - s.decoded_at)
         s.decoded_at = now
         return verdict
+
+    def _start_decoding(self, plan: api.Plan, s: _Sessions, max_tokens: int, opening=None) -> DeploymentResponseGenerator:
+        """Open the request's decode stream on its verify replica (``opening``: on any replica, opening the session
+        there first); the ingress cancels it when the request ends (``_stop_decoding``)."""
+        handle = self.verify if opening is not None else s.verify
+        s.decoding = handle.options(stream=True).decode.remote(s.verify_sid, max_tokens,
+                                                               sorted(self.target.eos_token_ids), opening)
+        return s.decoding
+
+    @staticmethod
+    def _stop_decoding(s: _Sessions) -> None:
+        if s.decoding is not None:
+            s.decoding.cancel()
+            s.decoding, s.decoded_at = None, None
 
     # -- recovery from lost replicas ------------------------------------------------------------
 

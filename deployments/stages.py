@@ -275,13 +275,19 @@ class Verify(_Stage):
         """``_Stage.stats``, and the decode streams running now (``decoding``) and started in all (``decode_streams``)."""
         return {**await super().stats(), "decoding": len(self._decoding), "decode_streams": self.decode_streams}
 
-    async def decode(self, request_id: str, max_tokens: int, stop_ids: list[int]) -> AsyncIterator[VerifyResult]:
+    async def decode(self, request_id: str, max_tokens: int, stop_ids: list[int],
+                     opening: tuple[KVHandoff, SamplingParams] | None = None) -> AsyncIterator[SessionOpened | VerifyResult]:
         """Decode without drafts, as one streamed call: a verdict per step, each step joining the batched passes as a
         verify call does, until a token in ``stop_ids``, ``max_tokens`` steps, ``close`` or the caller's cancel.
 
         Speculation off then costs one stage call per request, not one per token, and a session's next step joins
         the very next pass: the steps run in a task of their own that does not wait for the stream's reader (vLLM's
-        engine loop, where a running request is in every step and its outputs are queued for the client)."""
+        engine loop, where a running request is in every step and its outputs are queued for the client).
+
+        ``opening`` (a prefill's handoff and the sampling parameters): open the session first (``open``) and yield
+        its ``SessionOpened`` before the verdicts. The first step then follows the open on this replica, and the
+        pass after the open waits for it (``ContinuousBatcher.expect``): the second token takes one pass, not the
+        rest of a running pass and one more after a round trip through the ingress."""
         stop = set(stop_ids)
         verdicts: asyncio.Queue = asyncio.Queue()  # VerifyResult per step; then None (the end) or the exception
 
@@ -299,17 +305,29 @@ class Verify(_Stage):
             except Exception as exc:  # noqa: BLE001 - raised to the reader
                 verdicts.put_nowait(exc)
 
-        self._decoding.add(request_id)
-        self.decode_streams += 1
-        stepping = asyncio.get_running_loop().create_task(steps())
+        stepping = None
         try:
+            if opening is not None:
+                self.batcher.expect(request_id)
+                opened = await self.open(request_id, *opening)
+            self._decoding.add(request_id)
+            self.decode_streams += 1
+            stepping = asyncio.get_running_loop().create_task(steps())
+            if opening is not None:
+                yield opened
             while (item := await verdicts.get()) is not None:
                 if isinstance(item, Exception):
                     raise item
                 yield item
         finally:
-            stepping.cancel()
+            if stepping is not None:
+                stepping.cancel()
             self._decoding.discard(request_id)
+            self.batcher.forget(request_id)  # (if it never made its first call, no pass waits for it)
+            if opening is not None:
+                # the session this call opened ends with it, whatever ended it: a caller cancelled during the open
+                # never learns where the session is. On the engine thread, so after an open still running there.
+                self._executor.submit(self.engine.close, request_id)
 
     async def open(self, request_id: str, handoff: KVHandoff, params: SamplingParams, features: bool = False) -> SessionOpened:
         """``features``: each verdict carries the target's features of the accepted positions (feature drafters)."""

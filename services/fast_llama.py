@@ -187,9 +187,11 @@ class FastLlamaRunner:
         check_fingerprint(payload, self.loaded.fingerprint)
         cache = self.new_cache()
         cache.reserve(payload.seq_len)
-        for i, (k, v) in enumerate(zip(payload.keys, payload.values)):
-            cache.buffer[i, 0, :, : payload.seq_len] = as_tensor(k, payload.dtype)
-            cache.buffer[i, 1, :, : payload.seq_len] = as_tensor(v, payload.dtype)
+        # two copies, not one per layer: each torch call from Python may wait for the GIL, and the replica's event
+        # loop holds it while it serves the other sessions' streams
+        n = payload.seq_len
+        cache.buffer[:, 0, :, :n] = torch.stack([as_tensor(k, payload.dtype) for k in payload.keys])  # [layers, kv_heads, n, head_dim]
+        cache.buffer[:, 1, :, :n] = torch.stack([as_tensor(v, payload.dtype) for v in payload.values])
         cache.seq_len = payload.seq_len
         return cache
 

@@ -149,3 +149,35 @@ def test_a_closed_session_is_not_waited_for():
 
     assert run(main()) == "ok b"
     assert engine.passes == [["a"], ["b"]]
+
+
+def test_an_expected_session_joins_the_next_pass():
+    """A session being opened (``expect``) makes its first call a moment after a pass ends: that pass's successor
+    waits for it, as for the sessions the pass answered, rather than leaving it a whole pass behind."""
+    engine = Engine(seconds=0.05)
+
+    async def main():
+        batcher = ContinuousBatcher(engine.run_pass, max_rows=32, gather_fraction=1.0, gather_max_s=1.0)
+        first = asyncio.create_task(batcher.submit(Call("a")))
+        await asyncio.sleep(0.01)
+        batcher.expect("new")  # its open runs after "a"'s pass ...
+        await first
+        await asyncio.sleep(0.01)  # ... and takes a while
+        return await asyncio.gather(batcher.submit(Call("new")), batcher.submit(Call("a")))
+
+    assert run(main()) == ["ok new", "ok a"]
+    assert engine.passes == [["a"], ["new", "a"]]
+
+
+def test_an_expected_session_that_closes_before_its_first_call_is_not_waited_for():
+    engine = Engine(seconds=0.02)
+
+    async def main():
+        batcher = ContinuousBatcher(engine.run_pass, max_rows=32, gather_fraction=100.0, gather_max_s=30.0)
+        batcher.expect("gone")
+        await batcher.submit(Call("a"))
+        batcher.forget("gone")  # its open failed, or its stream was cancelled
+        return await asyncio.wait_for(batcher.submit(Call("a")), timeout=5.0)
+
+    assert run(main()) == "ok a"
+    assert engine.passes == [["a"], ["a"]]

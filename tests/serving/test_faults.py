@@ -92,6 +92,39 @@ def test_verify_replica_lost_mid_decode_stream(client, expected):
     assert stats["decode_streams"] == 1 and stats["decoding"] == 0, stats
 
 
+def test_verify_replica_exits_opening_a_decode_stream(client, expected):
+    """Speculation off: one streamed call opens the session and decodes (Verify.decode with the handoff). The
+    replica's process dies in the open; the ingress opens the session on the replacement from the same KV
+    reference and streams the tokens from there."""
+    before = _recoveries().get("verify", 0)
+    arm("Verify", "open", "exit")
+    chunks = list(client.stream(messages=[("user", LONG[3])], speculate=False))
+    assert _tokens(chunks) == expected(LONG[3])
+    assert _recoveries()["verify"] == before + 1
+    stats = until("the session closed on the replacement", lambda: handle("Verify").stats.remote().result(timeout_s=60),
+                  done=lambda st: st["sessions"] == 0)
+    assert stats["opened"] == 1 and stats["decode_streams"] == 1 and stats["decoding"] == 0, stats
+
+
+def test_client_leaves_while_a_decode_stream_opens(client):
+    """Speculation off: the client cancels while the verify replica opens the session for its decode stream (the
+    open holds). The stream's session is not left on the replica, and no pass waits for it."""
+    arm("Verify", "open", "hold")
+    call = client.stream(messages=[("user", LONG[0])], speculate=False)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        answer = pool.submit(lambda: list(call))
+        until("the open held", lambda: held("Verify"))
+        call.cancel()
+        with pytest.raises(grpc.RpcError) as failed:
+            answer.result(timeout=BOUND_S)
+    assert failed.value.code() == grpc.StatusCode.CANCELLED
+    handle("Verify").release_fault.remote().result(timeout_s=60)
+    until("no session or stream left on the replica", lambda: handle("Verify").stats.remote().result(timeout_s=60),
+          done=lambda st: st["sessions"] == 0 and st["decoding"] == 0)
+    response = client.generate(messages=[("user", LONG[0])], max_new_tokens=8, speculate=False)  # it serves on
+    assert len(response.token_ids) == 8
+
+
 def test_prefill_replica_exits(client, expected):
     """The prefill replica dies on the request's prefill; the call is retried on its replacement."""
     before = _recoveries().get("prefill", 0)
