@@ -14,6 +14,8 @@ random stream whatever the device, and accept / reject is the same code.
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 from services.draft_vocab import scatter_kept
@@ -29,6 +31,7 @@ class ModelRunner:
         self.model = loaded.model
         # pruned draft vocabulary: masked after the full head (same q as the compact forward, no saving)
         self.kept_ids = kept_ids
+        self._cache_kwarg = cache_kwarg(self.model)
 
     def new_cache(self) -> KVCache:
         return KVCache(self.model.config)
@@ -55,7 +58,7 @@ class ModelRunner:
         """
         out = self.model(
             input_ids=input_ids.to(self.model.device)[None],
-            cache=cache.cache,
+            **{self._cache_kwarg: cache.cache},
             use_cache=True,
             logits_to_keep=1 if last_only else 0,
             output_hidden_states=return_features,
@@ -75,6 +78,12 @@ class ModelRunner:
         """Each chunk in turn (transformers' cache holds one sequence: no shared pass here, same results)."""
         outs = [self.forward(ids, cache, last_only=last_only, return_features=True) for ids, cache in chunks]
         return [logits for logits, _ in outs], [features for _, features in outs]
+
+
+def cache_kwarg(model) -> str:
+    """The forward's name for the KV cache: ``cache`` in newer transformers, ``past_key_values`` before (an unknown
+    keyword would be swallowed by ``**kwargs`` and the cache silently left empty)."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def make_runner(loaded: LoadedModel, *, fast: bool = True, kept_ids: torch.Tensor | None = None):

@@ -4,13 +4,29 @@ import pytest
 import torch
 
 from services.fast_llama import FastLlamaRunner, supports
-from services.runner import ModelRunner, make_runner
+from services.runner import ModelRunner, cache_kwarg, make_runner
 
 
 def test_tiny_pair_takes_the_fast_path(tiny):
     assert supports(tiny[0].config)
     assert isinstance(make_runner(tiny[0]), FastLlamaRunner)
     assert isinstance(make_runner(tiny[0], fast=False), ModelRunner)
+
+
+def test_generic_runner_hands_its_cache_to_the_forward_under_either_name(tiny):
+    """transformers renamed the forward's ``past_key_values`` to ``cache``; an unknown name is swallowed by
+    ``**kwargs`` and the cache stays empty (seen with transformers 5.17 on a GPU machine)."""
+
+    class OldForward(torch.nn.Module):
+        def forward(self, input_ids=None, past_key_values=None, use_cache=None, **kwargs):
+            return input_ids
+
+    assert cache_kwarg(OldForward()) == "past_key_values"
+    assert cache_kwarg(tiny[0].model) in ("cache", "past_key_values")
+    runner = ModelRunner(tiny[0])
+    cache = runner.new_cache()
+    runner.forward(torch.tensor([1, 5, 7]), cache)
+    assert cache.seq_len == 3
 
 
 @pytest.mark.parametrize("chunks", [[7], [5, 1, 1, 1], [3, 4, 2], [6, 9, 1]])
