@@ -213,9 +213,17 @@ def _speed(device, dtype: str, pair: str) -> str:
             torch.cuda.synchronize(device)
         rates[name] = sum(map(len, outputs)) / (time.perf_counter() - start)
         expected = outputs if k == 0 else expected  # the first row, target alone; compared outside the timed loop
-        assert outputs == expected, f"{name}: output differs from generate()"
+        assert outputs == expected, f"{name}: output differs from generate() ({_first_difference(outputs, expected)})"
     base = rates["target alone (generate)"]
     return f"{pair}: " + ", ".join(f"{name} {r:.1f} tok/s ({r / base:.2f}x)" for name, r in rates.items())
+
+
+def _first_difference(outputs: list[list[int]], expected: list[list[int]]) -> str:
+    for i, (got, want) in enumerate(zip(outputs, expected)):
+        if got != want:
+            at = next((j for j, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+            return f"prompt {i} from token {at} of {len(want)}"
+    return "lengths differ"
 
 
 if __name__ == "__main__":
