@@ -13,7 +13,12 @@ message, exit 0, where torch sees no GPU):
 4. sampled chi-square on the tiny pair: the first verified token follows the
    target's p when a random draft distribution q proposes it;
 5. tokens/s, target alone vs speculative (the default pair when it is
-   prepared in this machine's cache, else the tiny pair).
+   prepared in this machine's cache, else the tiny pair);
+6. the KV handoff of the default target's architecture (random weights: the
+   size of the KV depends on the shape alone): export (device -> host numpy,
+   what prefill puts in the object store), import (host -> device, what the
+   verifier does), and a device-to-device copy of the same tensors, the
+   floor of a GPU-native transport.
 
 Exit code 0 when every check passes (or the device is absent), 1 otherwise.
 """
@@ -55,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"splitspec engine check on {report.get('gpu', device)} (torch {torch.__version__})", flush=True)
     checks = [("greedy identity (tiny pair)", _greedy_identity), ("KV round trip", _kv_round_trip),
               ("rollback", _rollback), ("sampled chi-square (tiny pair)", lambda d: _chi_square(d, args.draws)),
-              ("tokens/s", lambda d: _speed(d, args.dtype, args.pair))]
+              ("tokens/s", lambda d: _speed(d, args.dtype, args.pair)), ("KV handoff", _handoff)]
     failed = 0
     for name, check in checks:
         start = time.perf_counter()
@@ -230,6 +235,56 @@ def _speed(device, dtype: str, pair: str) -> str:
         assert outputs == expected, f"{name}: output differs from generate() ({_first_difference(outputs, expected)})"
     base = rates["target alone (generate)"]
     return f"{pair}: " + ", ".join(f"{name} {r:.1f} tok/s ({r / base:.2f}x)" for name, r in rates.items())
+
+
+HANDOFF_TOKENS = {"cuda": (512, 2048), "cpu": (128,)}  # prompt lengths whose KV is handed off
+HANDOFF_REPEATS = 5
+
+
+def _handoff(device) -> str:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from services.loading import config_of, wrap_model
+    from services.models import default_pair
+    from services.runner import make_runner
+
+    dtype = "bfloat16" if device.type == "cuda" else "float32"
+    prepared = (default_pair.target_dir() / "config.json").is_file()
+    config = config_of(default_pair.target_dir()) if prepared else LlamaConfig(  # SmolLM2-135M's shape
+        vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+        num_key_value_heads=3, max_position_embeddings=8192, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).to(getattr(torch, dtype))
+    loaded = wrap_model(model, model_id="handoff", dtype=dtype, device=str(device))
+    runner = make_runner(loaded)
+    rows = []
+    for n in HANDOFF_TOKENS[device.type]:
+        cache = runner.new_cache()
+        runner.forward(torch.randint(0, config.vocab_size, (n,)), cache, last_only=True)
+        payload = cache.export(loaded.fingerprint)
+        tensors = [torch.as_tensor(0)]
+        timings = {"export": lambda: cache.export(loaded.fingerprint), "import": lambda: runner.import_payload(payload)}
+        if device.type == "cuda":
+            kv = [t for layer in cache.cache.layers for t in (layer.keys, layer.values)]
+            timings["device copy"] = lambda: [t.clone() for t in kv]
+        ms = {}
+        for name, step in timings.items():
+            step()  # warm up
+            _sync(device)
+            start = time.perf_counter()
+            for _ in range(HANDOFF_REPEATS):
+                tensors = step()
+            _sync(device)
+            ms[name] = (time.perf_counter() - start) * 1e3 / HANDOFF_REPEATS
+        del tensors
+        mb = payload.nbytes / 1e6
+        rows.append(f"{n} tokens, {mb:.1f} MB: " + ", ".join(f"{k} {v:.2f} ms ({mb / v:.1f} GB/s)" for k, v in ms.items()))
+    return f"{dtype}; " + "; ".join(rows)
+
+
+def _sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _first_difference(outputs: list[list[int]], expected: list[list[int]]) -> str:
