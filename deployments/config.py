@@ -117,6 +117,10 @@ class Limits(_Strict):
         256, ge=1, description="a longer prompt is prefilled in chunks of this many tokens, each in a pass shared with "
         "other prompts, so that it does not stall their first token",
     )
+    prefix_cache_bytes: int = Field(
+        64 * 2**20, ge=0, description="host memory per prefill replica for recent prompts' KV, reused by prompts that "
+        "start with the same tokens (a chat template's system turn, an agent's shared context); 0 turns it off",
+    )
     stage_timeout_s: float = Field(120.0, gt=0, description="one stage call; slower means UNAVAILABLE")
     request_timeout_s: float = Field(600.0, gt=0, description="a whole request; longer means DEADLINE_EXCEEDED")
     session_idle_s: float = Field(

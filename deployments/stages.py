@@ -171,12 +171,22 @@ class Prefill(_Stage):
 
     def __init__(self, config: dict):
         super().__init__(config)
-        self.engine = PrefillEngine(load_target(self.config, self.stage))
+        self.engine = PrefillEngine(load_target(self.config, self.stage),
+                                    prefix_cache_bytes=self.config.limits.prefix_cache_bytes)
         warm_up(self.engine.runner)
         self.calls = itertools.count()
         # prompts that arrive while a pass runs are prefilled together in the next one (a prefill is never
         # followed by another call of its request: nothing to wait for after a pass)
         self.batcher = self._batcher(self._prefill_pass, gather_max_s=0.0)
+
+    async def stats(self) -> dict:
+        """``_Stage.stats``, and the prefix cache: prompt tokens looked up and reused, prompts and bytes it holds."""
+        cache = self.engine.prefix_cache
+        counts = (0,) * 4
+        if cache is not None:
+            counts = await self._run(lambda: (cache.queried_tokens, cache.hit_tokens, len(cache), cache.nbytes))
+        return {**await super().stats(), **dict(zip(("prefix_queried_tokens", "prefix_hit_tokens", "prefix_cached_prompts",
+                                                     "prefix_cached_bytes"), counts))}
 
     async def _prefill_pass(self, calls: list[PrefillCall]) -> list:
         return await self._run(self.engine.prefill_batch, calls)

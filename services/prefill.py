@@ -10,6 +10,7 @@ import torch
 from services.errors import SessionNotFoundError
 from services.kv import KVPayload
 from services.loading import LoadedModel
+from services.prefix_cache import PrefixCache
 from services.runner import make_runner
 from services.sampling import SamplingParams, logits_to_probs, make_generator, sample
 from services.validation import validate_prompt
@@ -52,10 +53,12 @@ class PrefillResult:
 class PrefillEngine:
     """Prefill of the target model: stateless, but for the KV of a long prompt between its chunks."""
 
-    def __init__(self, target: LoadedModel):
+    def __init__(self, target: LoadedModel, *, prefix_cache_bytes: int = 0):
         self.target = target
         self.runner = make_runner(target)
         self._partial: dict[str, tuple[object, list[torch.Tensor]]] = {}  # request id -> (KV, features) between chunks
+        # recent prompts' KV, reused by prompts that start like them (services.prefix_cache); 0 bytes: off
+        self.prefix_cache = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes > 0 else None
 
     def prefill(self, prompt_ids: Sequence[int], params: SamplingParams, *, features: bool = False) -> PrefillResult:
         """Prefill the prompt; ``features`` also returns the target's features of every prompt position."""
@@ -69,20 +72,23 @@ class PrefillEngine:
 
         A prompt with bad input gets its error in its slot; the others go on. Each first token is drawn with its
         own parameters and seed. A chunk that does not end its prompt keeps the prompt's KV here (under its
-        ``request_id``) and returns ``PrefillProgress``; the call with the last chunk returns the result.
+        ``request_id``) and returns ``PrefillProgress``; the call with the last chunk returns the result. A prompt
+        that starts like a recent one takes that prefix's KV from the prefix cache and computes only the rest.
         """
         results: list[PrefillResult | PrefillProgress | Exception | None] = [None] * len(calls)
-        checked = []  # (slot, call, ids [rows], cache, features so far)
+        checked = []  # (slot, call, start, ids [rows], cache, features so far)
         for slot, call in enumerate(calls):
             try:
-                if call.start == 0:
+                start = call.start
+                if start == 0:
                     call.params.validate()
                     validate_prompt(call.prompt_ids, max_context=self.target.max_context, vocab_size=self.target.vocab_size)
-                    cache, feats = self.runner.new_cache(), []
+                    cache, feats, start = self._begin(call)
                 else:
                     cache, feats = self._partial.pop(call.request_id)
-                ids = call.prompt_ids[call.start : call.start + call.rows]
-                checked.append((slot, call, ids, cache, feats))
+                left = len(call.prompt_ids) - start
+                ids = call.prompt_ids[start : start + (min(left, call.chunk) if call.chunk else left)]
+                checked.append((slot, call, start, ids, cache, feats))
             except KeyError:
                 results[slot] = SessionNotFoundError(f"prefill {call.request_id!r} has no earlier chunks here")
             except Exception as exc:  # typed errors (services.errors) for the caller of that slot
@@ -90,24 +96,35 @@ class PrefillEngine:
         if not checked:
             return results
         all_logits, all_features = self.runner.forward_batch(
-            [(torch.tensor(ids), cache) for _, _, ids, cache, _ in checked], last_only=True
+            [(torch.tensor(ids), cache) for _, _, _, ids, cache, _ in checked], last_only=True
         )  # per prompt: [1, vocab_size], [rows, hidden]
-        for (slot, call, ids, cache, feats), logits, chunk_features in zip(checked, all_logits, all_features):
+        for (slot, call, start, ids, cache, feats), logits, chunk_features in zip(checked, all_logits, all_features):
             if call.features:
                 feats.append(chunk_features.to(FEATURE_DTYPE))
-            done = call.start + len(ids)
+            done = start + len(ids)
             if done < len(call.prompt_ids):
                 self._partial[call.request_id] = (cache, feats)
                 results[slot] = PrefillProgress(done)
                 continue
             probs = logits_to_probs(logits, call.params)  # [1, vocab_size]
             first_token = int(sample(probs, make_generator(call.params.seed, PREFILL_STREAM))[0])
-            results[slot] = PrefillResult(
+            result = PrefillResult(
                 first_token=first_token,
                 payload=cache.export(self.target.fingerprint),
                 features=torch.cat(feats) if call.features else None,  # [n, hidden]
             )
+            if self.prefix_cache is not None:
+                self.prefix_cache.insert(call.prompt_ids, result.payload, result.features)
+            results[slot] = result
         return results
+
+    def _begin(self, call: PrefillCall) -> tuple[object, list[torch.Tensor], int]:
+        """A new prompt's KV, features so far and first position to compute: from the prefix cache where it holds
+        the prompt's opening, else empty."""
+        hit = self.prefix_cache.lookup(call.prompt_ids, features=call.features) if self.prefix_cache is not None else None
+        if hit is None:
+            return self.runner.new_cache(), [], 0
+        return self.runner.import_payload(hit.payload), [hit.features] if call.features else [], hit.length
 
     def drop(self, request_id: str) -> None:
         """Forget a chunked prefill that will not continue (its request failed or went away)."""

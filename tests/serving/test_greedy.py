@@ -3,7 +3,7 @@
 import pytest
 
 from splitspec.v1 import splitspec_pb2 as pb
-from tests.serving.conftest import MAX_NEW_TOKENS, PROMPTS, serving, make_config
+from tests.serving.conftest import MAX_NEW_TOKENS, PROMPTS, handle, serving, make_config
 
 pytestmark = pytest.mark.slow
 
@@ -196,3 +196,14 @@ def test_concurrent_streams_are_batched_and_each_equals_its_answer_alone(client,
     after = verify.stats.remote().result(), draft.stats.remote().result()
     assert after[0]["largest_pass"] >= 2, (before, after)  # steps of different sessions shared a target pass
     assert after[1]["largest_pass"] >= 2, (before, after)  # and proposals a draft pass
+
+
+def test_prompts_that_share_the_chat_template_reuse_its_kv(client, reference):
+    """Chat prompts open with the template's system turn: the prefill replica reuses that prefix's KV (the prefix
+    cache is on in the default config, so every greedy answer above was checked with it)."""
+    before = handle("Prefill").stats.remote().result(timeout_s=60)
+    for prompt in PROMPTS[:2]:
+        assert list(client.generate(messages=[("user", prompt)], max_new_tokens=MAX_NEW_TOKENS).token_ids) == reference(prompt)
+    after = handle("Prefill").stats.remote().result(timeout_s=60)
+    assert after["prefix_hit_tokens"] > before["prefix_hit_tokens"]
+    assert after["prefix_hit_tokens"] < after["prefix_queried_tokens"] and after["prefix_cached_prompts"] > 0
