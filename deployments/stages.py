@@ -314,6 +314,10 @@ class Verify(_Stage):
                 verdicts.put_nowait(None)
             except Exception as exc:  # noqa: BLE001 - raised to the reader
                 verdicts.put_nowait(exc)
+            finally:
+                # no further call comes: the next pass must not wait for one (it would, up to the batcher's gather
+                # bound, until the reader has taken the last verdict and the stream has ended)
+                self.batcher.forget(request_id)
 
         stepping = None
         try:
