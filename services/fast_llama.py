@@ -187,8 +187,8 @@ class FastLlamaRunner:
         check_fingerprint(payload, self.loaded.fingerprint)
         cache = self.new_cache()
         cache.reserve(payload.seq_len)
-        # two copies, not one per layer: each torch call from Python may wait for the GIL, and the replica's event
-        # loop holds it while it serves the other sessions' streams
+        # four torch calls (a stack and a copy for keys, the same for values), not two per layer: each call from
+        # Python may wait for the GIL, which the replica's event loop holds while it serves the other sessions' streams
         n = payload.seq_len
         cache.buffer[:, 0, :, :n] = torch.stack([as_tensor(k, payload.dtype) for k in payload.keys])  # [layers, kv_heads, n, head_dim]
         cache.buffer[:, 1, :, :n] = torch.stack([as_tensor(v, payload.dtype) for v in payload.values])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -76,19 +77,18 @@ class PrefillEngine:
         that starts like a recent one takes that prefix's KV from the prefix cache and computes only the rest.
         """
         results: list[PrefillResult | PrefillProgress | Exception | None] = [None] * len(calls)
-        checked = []  # (slot, call, start, ids [rows], cache, features so far)
+        checked = []  # (slot, call, ids [rows], cache, features so far)
         for slot, call in enumerate(calls):
             try:
-                start = call.start
-                if start == 0:
+                if call.start == 0:
                     call.params.validate()
                     validate_prompt(call.prompt_ids, max_context=self.target.max_context, vocab_size=self.target.vocab_size)
-                    cache, feats, start = self._begin(call)
+                    cache, feats, cached = self._begin(call)
+                    call = dataclasses.replace(call, start=cached)  # a prefix-cache hit: go on after it
                 else:
                     cache, feats = self._partial.pop(call.request_id)
-                left = len(call.prompt_ids) - start
-                ids = call.prompt_ids[start : start + (min(left, call.chunk) if call.chunk else left)]
-                checked.append((slot, call, start, ids, cache, feats))
+                ids = call.prompt_ids[call.start : call.start + call.rows]
+                checked.append((slot, call, ids, cache, feats))
             except KeyError:
                 results[slot] = SessionNotFoundError(f"prefill {call.request_id!r} has no earlier chunks here")
             except Exception as exc:  # typed errors (services.errors) for the caller of that slot
@@ -96,12 +96,12 @@ class PrefillEngine:
         if not checked:
             return results
         all_logits, all_features = self.runner.forward_batch(
-            [(torch.tensor(ids), cache) for _, _, _, ids, cache, _ in checked], last_only=True
+            [(torch.tensor(ids), cache) for _, _, ids, cache, _ in checked], last_only=True
         )  # per prompt: [1, vocab_size], [rows, hidden]
-        for (slot, call, start, ids, cache, feats), logits, chunk_features in zip(checked, all_logits, all_features):
+        for (slot, call, ids, cache, feats), logits, chunk_features in zip(checked, all_logits, all_features):
             if call.features:
                 feats.append(chunk_features.to(FEATURE_DTYPE))
-            done = start + len(ids)
+            done = call.start + len(ids)
             if done < len(call.prompt_ids):
                 self._partial[call.request_id] = (cache, feats)
                 results[slot] = PrefillProgress(done)

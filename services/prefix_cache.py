@@ -8,7 +8,7 @@ the host, where the prefill's KV payload already lies.
 
 A prompt's KV is kept once, as the ``KVPayload`` prefill made for the
 handoff; each of its prefixes at a multiple of ``block`` tokens points to it
-through a chain of block hashes, checked against the stored ids on a hit. A
+through a chain of block hashes; a hit is checked against the stored ids. A
 lookup returns the longest cached prefix shorter than the prompt (the last
 position is always computed: its logits give the first token). The least
 recently used prompts go when the bytes pass ``max_bytes``.
@@ -73,13 +73,15 @@ class PrefixCache:
         best = None
         for length, h in self._chain(ids, len(ids) - 1):
             entry = self._index.get(h)
-            if entry is None or entry.ids[:length] != tuple(ids[:length]):
+            if entry is None:
                 break
             if not features or entry.features is not None:
                 best = (entry, length)
         if best is None:
             return None
         entry, length = best
+        if entry.ids[:length] != tuple(ids[:length]):  # a hash collision: never reuse another prompt's KV
+            return None
         self._entries.move_to_end(id(entry))
         self.hit_tokens += length
         payload = entry.payload

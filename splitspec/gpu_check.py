@@ -228,8 +228,7 @@ def _speed(device, dtype: str, pair: str) -> str:
             else:
                 outputs.append(generate(prefill, engine, verify, prompt, max_new_tokens=n, num_draft_tokens=k,
                                         params=SamplingParams()).token_ids)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        _sync(device)
         rates[name] = sum(map(len, outputs)) / (time.perf_counter() - start)
         expected = outputs if k == 0 else expected  # the first row, target alone; compared outside the timed loop
         assert outputs == expected, f"{name}: output differs from generate() ({_first_difference(outputs, expected)})"
@@ -262,7 +261,6 @@ def _handoff(device) -> str:
         cache = runner.new_cache()
         runner.forward(torch.randint(0, config.vocab_size, (n,)), cache, last_only=True)
         payload = cache.export(loaded.fingerprint)
-        tensors = [torch.as_tensor(0)]
         timings = {"export": lambda: cache.export(loaded.fingerprint), "import": lambda: runner.import_payload(payload)}
         if device.type == "cuda":
             kv = [t for layer in cache.cache.layers for t in (layer.keys, layer.values)]
@@ -273,10 +271,9 @@ def _handoff(device) -> str:
             _sync(device)
             start = time.perf_counter()
             for _ in range(HANDOFF_REPEATS):
-                tensors = step()
+                step()
             _sync(device)
             ms[name] = (time.perf_counter() - start) * 1e3 / HANDOFF_REPEATS
-        del tensors
         mb = payload.nbytes / 1e6
         rows.append(f"{n} tokens, {mb:.1f} MB: " + ", ".join(f"{k} {v:.2f} ms ({mb / v:.1f} GB/s)" for k, v in ms.items()))
     return f"{dtype}; " + "; ".join(rows)
