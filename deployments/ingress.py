@@ -23,7 +23,7 @@ import ray
 from grpc_health.v1 import health_pb2
 from ray import exceptions as ray_exceptions
 from ray import serve
-from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
+from ray.serve.handle import DeploymentHandle, DeploymentResponse, DeploymentResponseGenerator
 
 from deployments import api, auth
 from deployments.config import AppConfig
@@ -72,6 +72,7 @@ class _Sessions:
     draft_back: asyncio.Task | None = None  # after the draft stage was lost: resolves True once a draft replica answers
     decoding: DeploymentResponseGenerator | None = None  # without a drafter: the streamed call (``_decoded``)
     decoded_at: float | None = None  # time.perf_counter() when its last verdict came
+    opening: DeploymentResponse | None = None  # the verify session's open, until it has answered
 
 
 @serve.deployment(name="SpecDecodeIngress")
@@ -279,11 +280,12 @@ class SpecDecodeIngress(OpenAIRoutes):
                 # follows the open on the replica, while the first token goes out
                 opening = anext(self._start_decoding(plan, s, plan.max_new_tokens - 1, opening=(handoff, params)))
             else:
-                opening = self.verify.open.remote(sid, handoff, params, features)
+                opening = s.opening = self.verify.open.remote(sid, handoff, params, features)
 
             def open_again():
                 self._stop_decoding(s)  # (a stream that failed to open goes with its failure)
-                return self.verify.open.remote(sid, handoff, params, features)
+                s.opening = self.verify.open.remote(sid, handoff, params, features)
+                return s.opening
             if started is not None:
                 try:
                     s.draft = self.draft.options(session_id=pin((await self._call("draft", started)).replica_id))
@@ -298,7 +300,7 @@ class SpecDecodeIngress(OpenAIRoutes):
                     raise
                 self._lost(plan, "prefill", exc, s)
                 opened = await self._open_verify(plan, s, plan.prompt_ids, handoff.first_token, params)
-            s.verify = self.verify.options(session_id=pin(opened.replica_id))
+            s.verify, s.opening = self.verify.options(session_id=pin(opened.replica_id)), None
             timer.kv_handoff_ms = opened.handoff_ms
             self.metrics.kv_handoff(opened.resolved_bytes, opened.handoff_ms / 1000)
             first_token = handoff.first_token
@@ -332,10 +334,12 @@ class SpecDecodeIngress(OpenAIRoutes):
             # close both sessions without waiting (also when the client went away or the deadline passed)
             if s.verify is not None:
                 self._detached(s.verify.close.remote, s.verify_sid)
+            elif s.opening is not None:
+                self._close_when_opened(self.verify, sid, s.opening)
             if s.draft is not None:
                 self._detached(s.draft.close.remote, s.draft_sid)
             elif started is not None:
-                self._close_when_started(sid, started)
+                self._close_when_opened(self.draft, sid, started)
             if s.draft_back is not None:
                 s.draft_back.cancel()
 
@@ -543,13 +547,16 @@ class SpecDecodeIngress(OpenAIRoutes):
         self.metrics.fallback(f"{when}: {type(cause).__name__}")
         plan.fallback = True
 
-    def _close_when_started(self, sid: str, started) -> None:
+    def _close_when_opened(self, stage: DeploymentHandle, sid: str, opening) -> None:
+        """Close session ``sid`` once the call ``opening`` it has answered, wherever it opened: the request ended
+        before it learnt the replica. (A call cancelled with its request closes its session itself, on the replica:
+        ``_Stage._open_session``; this is for one that had answered already.)"""
         async def close():
             try:
-                opened = await started
-            except Exception:  # noqa: BLE001 - the session never opened
+                opened = await opening
+            except (Exception, asyncio.CancelledError):  # noqa: BLE001 - the session never opened (or closed itself)
                 return
-            await self.draft.options(session_id=pin(opened.replica_id)).close.remote(sid)
+            await stage.options(session_id=pin(opened.replica_id)).close.remote(sid)
 
         self._detached(close)
 

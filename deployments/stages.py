@@ -151,6 +151,18 @@ class _Stage:
     async def _run(self, fn: Callable, *args):
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
+    async def _open_session(self, request_id: str, open_session: Callable, answered: str) -> None:
+        """Run ``open_session()`` on the engine thread, then the fault point ``answered`` (a replica slow to answer
+        after the open: tests only). A caller cancelled meanwhile (its client left, its deadline passed) never learns
+        which replica holds the session, so nobody else would close it: it is closed here. An open already running
+        on the engine thread runs to its end; the close queued behind it on that one thread undoes it."""
+        try:
+            await self._run(open_session)
+            await self.faults.point(answered)
+        except asyncio.CancelledError:
+            self._executor.submit(self.engine.close, request_id)
+            raise
+
     async def _report_sessions(self) -> None:
         """Refresh the session gauges periodically (Ray drops a gauge that is not re-set within two report
         intervals), and close the sessions of requests that are gone (limits.session_idle_s)."""
@@ -216,7 +228,7 @@ class Draft(_Stage):
     """Draft sessions (draft model, EAGLE head or prompt lookup), pinned to this replica."""
 
     stage = "draft"
-    fault_methods = ("start", "propose")
+    fault_methods = ("start", "started", "propose")
 
     def __init__(self, config: dict):
         super().__init__(config)
@@ -242,7 +254,8 @@ class Draft(_Stage):
         """Open a session; a feature drafter resolves the prompt's features from the prefill's ``handoff`` here."""
         await self.faults.point("start")
         features = await handoff.feature_refs[0] if handoff is not None and handoff.feature_refs else None
-        await self._run(self.engine.start, request_id, prompt_ids, params, drafter, features)
+        await self._open_session(
+            request_id, lambda: self.engine.start(request_id, prompt_ids, params, drafter, features), "started")
         self.opened += 1
         return SessionOpened(*_identity())
 
@@ -268,7 +281,7 @@ class Verify(_Stage):
     """Verify sessions of the target, opened from a prefill's KV reference and pinned to this replica."""
 
     stage = "verify"
-    fault_methods = ("open", "verify")
+    fault_methods = ("open", "opened", "verify")
 
     def __init__(self, config: dict):
         super().__init__(config)
@@ -349,7 +362,9 @@ class Verify(_Stage):
         (ref,) = handoff.kv_refs
         payload = await ref  # resolved here, in the verifier: the ingress only ever held the reference
         handoff_ms = (time.time() - handoff.put_at) * 1000
-        await self._run(lambda: self.engine.open(request_id, payload, handoff.first_token, params, features=features))
+        await self._open_session(
+            request_id, lambda: self.engine.open(request_id, payload, handoff.first_token, params, features=features),
+            "opened")
         self.opened += 1
         return SessionOpened(*_identity(), handoff_ms=handoff_ms, resolved_bytes=payload.nbytes)
 
