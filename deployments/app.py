@@ -38,6 +38,7 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
             "max_ongoing_requests": stage.max_ongoing_requests,
             "graceful_shutdown_timeout_s": config.graceful_shutdown_timeout_s,
             "ray_actor_options": actor_options(stage.placement),
+            "logging_config": {"enable_access_log": config.stage_access_log},
         }
         if name != "prefill":  # draft and verify hold sessions: pin each call to its replica
             options["request_router_config"] = RequestRouterConfig(request_router_class=ROUTER_CLASS)

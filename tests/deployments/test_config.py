@@ -49,3 +49,14 @@ def test_gpu_stage_options():
     assert config.stage_dtype("verify") == "bfloat16" and config.stage_dtype("draft") == "float32"
     assert actor_options(config.stage("verify").placement)["num_gpus"] == 1
     assert "num_gpus" not in actor_options(config.stage("draft").placement)
+
+
+@pytest.mark.parametrize("access_log", [False, True])
+def test_stage_access_log(access_log):
+    """Serve's access log line per stage call is off unless asked for (hundreds a second under load); the ingress's
+    per-request log is Serve's default either way."""
+    ingress = build_app({"stage_access_log": access_log})._bound_deployment
+    stages = [arg._bound_deployment for arg in ingress.init_args[1:]]
+    assert [d.name for d in stages] == ["Prefill", "Draft", "Verify"]
+    assert all(d._deployment_config.logging_config["enable_access_log"] is access_log for d in stages)
+    assert (ingress._deployment_config.logging_config or {}).get("enable_access_log", True) is True
