@@ -42,7 +42,8 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
         }
         if name != "prefill":  # draft and verify hold sessions: pin each call to its replica
             options["request_router_config"] = RequestRouterConfig(request_router_class=ROUTER_CLASS)
-        stages[name] = deployment.options(**options).bind(plain)
+        extra = (stages["draft"],) if name == "verify" else ()
+        stages[name] = deployment.options(**options).bind(plain, *extra)
     ingress = SpecDecodeIngress.options(
         num_replicas=config.ingress_replicas,
         max_ongoing_requests=config.limits.max_ongoing_requests,

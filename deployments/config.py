@@ -60,6 +60,8 @@ class StageConfig(_Strict):
 
 class SpeculationDefaults(_Strict):
     enabled: bool = Field(True, description="speculate unless a request turns it off")
+    verify_driven: bool = Field(False, description="experimental: a request with a pinned k runs its loop in the "
+                                "verify replica as one streamed call that asks the draft replica directly")
     num_draft_tokens: int = Field(
         0, ge=0, le=MAX_DRAFT_TOKENS,
         description="default k; 0 = adaptive: k picked per step (0 included) from measured acceptance and costs",

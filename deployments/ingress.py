@@ -273,6 +273,28 @@ class SpecDecodeIngress(OpenAIRoutes):
             timer.prefill_ms = timer.ms()
             if features and not plan.fallback:
                 started = self.draft.start.remote(sid, plan.prompt_ids, params, plan.drafter, handoff)
+            if (self.config.speculation.verify_driven and started is not None and not plan.adaptive
+                    and not plan.overlap):
+                s.draft = self.draft.options(session_id=pin((draft_opened := await self._call("draft", started)).replica_id))
+                started = None
+                s.decoding = self.verify.options(stream=True).speculate.remote(
+                    sid, (handoff, params, features), draft_opened.replica_id, s.draft_sid, plan.max_new_tokens,
+                    sorted(self.target.eos_token_ids), plan.num_draft_tokens)
+                opened = await self._call("verify", anext(s.decoding))
+                s.verify = self.verify.options(session_id=pin(opened.replica_id))
+                del handoff
+                timer.ttft_ms = timer.ms()
+                first = True
+                while True:
+                    try:
+                        step = await self._call("verify", anext(s.decoding))
+                    except StopAsyncIteration:
+                        return
+                    if not first:
+                        plan.stats.add(step)
+                    first = False
+                    s.tokens += step.token_ids
+                    yield step
             # 2. hand the verifier the KV *reference*; it resolves the bytes from the object store (while the draft starts)
             if (self.config.speculation.stream_off and not plan.drafting and plan.max_new_tokens > 1
                     and handoff.first_token not in self.target.eos_token_ids):

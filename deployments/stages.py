@@ -35,6 +35,7 @@ from services.loading import LoadedModel, check_device, config_of, load_causal_l
 from services.prefill import PrefillCall, PrefillEngine, PrefillProgress
 from services.runner import warm_up
 from services.sampling import SamplingParams
+from services.loop import Results, SpeculativeLoop, StepOutput
 from services.verify import VerifyCall, VerifyEngine, VerifyResult
 
 logger = logging.getLogger(__name__)
@@ -283,8 +284,9 @@ class Verify(_Stage):
     stage = "verify"
     fault_methods = ("open", "opened", "verify")
 
-    def __init__(self, config: dict):
+    def __init__(self, config: dict, draft=None):
         super().__init__(config)
+        self.draft = draft  # the draft deployment: ``speculate`` asks it directly
         self.engine = VerifyEngine(
             load_target(self.config, self.stage), max_sessions=self.config.limits.max_sessions,
             max_kv_bytes=self.config.limits.max_kv_bytes
@@ -355,6 +357,41 @@ class Verify(_Stage):
                 # the session this call opened ends with it, whatever ended it: a caller cancelled during the open
                 # never learns where the session is. On the engine thread, so after an open still running there.
                 self._executor.submit(self.engine.close, request_id)
+
+    async def speculate(self, request_id: str, opening: tuple, draft_replica: str, draft_sid: str, max_new_tokens: int,
+                        eos: list[int], k: int) -> AsyncIterator:
+        """Experimental: open the session, then run the request's speculative loop here, asking the draft replica
+        for proposals directly; yields SessionOpened, then each StepOutput."""
+        from deployments.routing import pin
+
+        handoff, params, features = opening
+        try:
+            yield await self.open(request_id, handoff, params, features)
+            draft = self.draft.options(session_id=pin(draft_replica))
+            loop = SpeculativeLoop(handoff.first_token, max_new_tokens=max_new_tokens, eos=set(eos), num_draft_tokens=k,
+                                   drafting=True)
+            results = None
+            while (item := loop.advance(results)) is not None:
+                if isinstance(item, StepOutput):
+                    yield item
+                    results = None
+                    continue
+                results = Results()
+                if item.propose is not None:
+                    p, start = item.propose, time.perf_counter()
+                    try:
+                        results.proposal = await draft.propose.remote(draft_sid, p.k, p.accepts, p.forced, p.guesses)
+                    except Exception:  # noqa: BLE001 - go on with the target alone
+                        results.draft_failed = True
+                    results.propose_s = time.perf_counter() - start
+                if item.verify is not None:
+                    start = time.perf_counter()
+                    results.verdict = await self.batcher.submit(
+                        VerifyCall(request_id, list(item.verify.draft_ids), item.verify.probs))
+                    results.verify_s = time.perf_counter() - start
+        finally:
+            self.batcher.forget(request_id)
+            self._executor.submit(self.engine.close, request_id)
 
     async def open(self, request_id: str, handoff: KVHandoff, params: SamplingParams, features: bool = False) -> SessionOpened:
         """``features``: each verdict carries the target's features of the accepted positions (feature drafters)."""
