@@ -275,26 +275,13 @@ class SpecDecodeIngress(OpenAIRoutes):
                 started = self.draft.start.remote(sid, plan.prompt_ids, params, plan.drafter, handoff)
             if (self.config.speculation.verify_driven and started is not None and not plan.adaptive
                     and not plan.overlap):
-                s.draft = self.draft.options(session_id=pin((draft_opened := await self._call("draft", started)).replica_id))
-                started = None
-                s.decoding = self.verify.options(stream=True).speculate.remote(
-                    sid, (handoff, params, features), draft_opened.replica_id, s.draft_sid, plan.max_new_tokens,
-                    sorted(self.target.eos_token_ids), plan.num_draft_tokens)
-                opened = await self._call("verify", anext(s.decoding))
-                s.verify = self.verify.options(session_id=pin(opened.replica_id))
-                del handoff
-                timer.ttft_ms = timer.ms()
-                first = True
-                while True:
-                    try:
-                        step = await self._call("verify", anext(s.decoding))
-                    except StopAsyncIteration:
-                        return
-                    if not first:
-                        plan.stats.add(step)
-                    first = False
-                    s.tokens += step.token_ids
+                draft_opened = await self._call("draft", started)
+                s.draft, started = self.draft.options(session_id=pin(draft_opened.replica_id)), None
+                steps = self._speculate_in_verify(plan, s, (handoff, params, features), draft_opened, timer)
+                del handoff  # (the stream's call holds the KV reference until the verifier has resolved it)
+                async for step in steps:
                     yield step
+                return
             # 2. hand the verifier the KV *reference*; it resolves the bytes from the object store (while the draft starts)
             if (self.config.speculation.stream_off and not plan.drafting and plan.max_new_tokens > 1
                     and handoff.first_token not in self.target.eos_token_ids):
@@ -364,6 +351,29 @@ class SpecDecodeIngress(OpenAIRoutes):
                 self._close_when_opened(self.draft, sid, started)
             if s.draft_back is not None:
                 s.draft_back.cancel()
+
+    async def _speculate_in_verify(self, plan: api.Plan, s: _Sessions, opening: tuple, draft_opened,
+                                   timer: api.Timer) -> AsyncIterator[StepOutput]:
+        """Experimental (speculation.verify_driven): the loop runs in the verify replica (Verify.speculate), which asks
+        the draft replica directly; here each step is only passed on. The caller closes the sessions."""
+        s.decoding = self.verify.options(stream=True).speculate.remote(
+            s.verify_sid, opening, draft_opened.replica_id, s.draft_sid, plan.max_new_tokens,
+            sorted(self.target.eos_token_ids), plan.num_draft_tokens)
+        del opening  # the last reference here: the object store frees the KV once the verifier holds it
+        opened = await self._call("verify", anext(s.decoding))
+        s.verify = self.verify.options(session_id=pin(opened.replica_id))
+        timer.ttft_ms = timer.ms()
+        first = await self._call("verify", anext(s.decoding))  # prefill's token: no verify step, not in the stats
+        s.tokens += first.token_ids
+        yield first
+        while True:
+            try:
+                step = await self._call("verify", anext(s.decoding))
+            except StopAsyncIteration:
+                return
+            plan.stats.add(step)
+            s.tokens += step.token_ids
+            yield step
 
     def _policy(self, plan: api.Plan) -> AdaptiveK:
         """A request's adaptive k, on this replica's measured costs and its drafter's acceptance so far."""

@@ -29,13 +29,14 @@ from deployments.batching import ContinuousBatcher
 from deployments.config import AppConfig
 from deployments.faults import FaultPoints
 from deployments.metrics import SessionMetrics
+from deployments.routing import pin
 from services import eagle_draft
 from services.draft import DraftEngine, DraftProposal, ProposeCall
 from services.loading import LoadedModel, check_device, config_of, load_causal_lm, set_num_threads
+from services.loop import Results, SpeculativeLoop, StepOutput
 from services.prefill import PrefillCall, PrefillEngine, PrefillProgress
 from services.runner import warm_up
 from services.sampling import SamplingParams
-from services.loop import Results, SpeculativeLoop, StepOutput
 from services.verify import VerifyCall, VerifyEngine, VerifyResult
 
 logger = logging.getLogger(__name__)
@@ -362,8 +363,6 @@ class Verify(_Stage):
                         eos: list[int], k: int) -> AsyncIterator:
         """Experimental: open the session, then run the request's speculative loop here, asking the draft replica
         for proposals directly; yields SessionOpened, then each StepOutput."""
-        from deployments.routing import pin
-
         handoff, params, features = opening
         try:
             yield await self.open(request_id, handoff, params, features)
