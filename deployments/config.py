@@ -60,8 +60,13 @@ class StageConfig(_Strict):
 
 class SpeculationDefaults(_Strict):
     enabled: bool = Field(True, description="speculate unless a request turns it off")
-    verify_driven: bool = Field(False, description="experimental: a request with a pinned k runs its loop in the "
-                                "verify replica as one streamed call that asks the draft replica directly")
+    colocate_drafter: bool = Field(
+        False, description="each verify replica loads the drafter too (on its device, as vLLM runs an EAGLE head) and "
+        "a speculating request runs its loop there as one streamed call: no stage hop per step. The draft stage then "
+        "serves only pre-drafting requests (overlap). For a drafter without a device of its own",
+    )
+    verify_driven: bool = Field(False, description="experimental: a speculating request runs its loop in the verify "
+                                "replica as one streamed call that asks the draft replica directly")
     num_draft_tokens: int = Field(
         0, ge=0, le=MAX_DRAFT_TOKENS,
         description="default k; 0 = adaptive: k picked per step (0 included) from measured acceptance and costs",

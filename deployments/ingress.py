@@ -31,13 +31,13 @@ from deployments.metrics import RequestMetrics
 from deployments.openai_api import OpenAIRoutes, http_app
 from deployments.placement import unplaceable
 from deployments.routing import pin
-from deployments.stages import model_dirs, rss_bytes
-from deployments.status import RequestDeadlineError, StageUnavailableError, UnauthenticatedError, to_status, unwrap
+from deployments.stages import DraftFallback, KVHandoff, SessionOpened, Speculation, model_dirs, rss_bytes
+from deployments.status import DRAFT_FAILURES, RequestDeadlineError, StageUnavailableError, UnauthenticatedError, to_status, unwrap
 from services import eagle_draft
 from services.draft import DRAFTERS, EAGLE_DRAFTER, FEATURE_DRAFTERS, MODEL_DRAFTER
-from services.errors import CapacityError, SessionEvictedError, SessionNotFoundError
+from services.errors import SessionEvictedError, SessionNotFoundError
 from services.loading import check_tokenizers, describe
-from services.loop import PRE_DRAFT_GUESSES, Calls, Results, SpeculativeLoop, StepOutput
+from services.loop import PRE_DRAFT_GUESSES, Calls, Propose, Results, SpeculativeLoop, StepOutput, Verify, execute_async
 from services.policy import AcceptanceCounts, AdaptiveK, CostModel, RequestGate
 from services.sampling import reseeded
 from services.text import TextStream
@@ -46,9 +46,6 @@ from splitspec.v1 import splitspec_pb2 as pb
 logger = logging.getLogger(__name__)
 
 PLACEMENT_CHECK_PERIOD_S = 2.0  # how often the ingress re-checks that every stage can be placed
-# Draft-stage failures after which a request goes on without speculation (the answer is the same).
-DRAFT_FAILURES = (StageUnavailableError, CapacityError, SessionNotFoundError, ray_exceptions.RayActorError,
-                  ray_exceptions.ActorUnavailableError, ray_exceptions.ObjectLostError)
 HEALTH_PROBE_TIMEOUT_S = 2.0  # a stage replica that does not answer a ping this fast counts as down for Check
 RECENT_HANDOFFS = 64  # KV handoffs remembered for `recent_handoffs` (placement checks, debugging)
 # A stage replica that is gone (killed, OOM, node lost) or that lost the session (restarted): the ingress recovers
@@ -265,19 +262,26 @@ class SpecDecodeIngress(OpenAIRoutes):
             # 1. prefill the target and, in parallel, start the draft session over the same prompt
             #    (a feature drafter starts once prefill has its prompt features; they go by reference)
             features = s.features = plan.drafting and plan.drafter in FEATURE_DRAFTERS
-            if plan.drafting and "draft" in self.unplaceable:
+            # speculation.colocate_drafter: the verify replica drafts itself (no draft stage call)
+            colocated = plan.drafting and self.config.speculation.colocate_drafter and not plan.overlap
+            if plan.drafting and not colocated and "draft" in self.unplaceable:
                 self._fall_back(plan, StageUnavailableError(self.unplaceable["draft"]), "start")
-            elif plan.drafting and not features:
+            elif plan.drafting and not colocated and not features:
                 started = self.draft.start.remote(sid, plan.prompt_ids, params, plan.drafter)
             handoff = await self._retrying(plan, "prefill", lambda: self.prefill.prefill.remote(plan.prompt_ids, params, features))
             timer.prefill_ms = timer.ms()
-            if features and not plan.fallback:
+            if features and not colocated and not plan.fallback:
                 started = self.draft.start.remote(sid, plan.prompt_ids, params, plan.drafter, handoff)
-            if (self.config.speculation.verify_driven and started is not None and not plan.adaptive
-                    and not plan.overlap):
-                draft_opened = await self._call("draft", started)
-                s.draft, started = self.draft.options(session_id=pin(draft_opened.replica_id)), None
-                steps = self._speculate_in_verify(plan, s, (handoff, params, features), draft_opened, timer)
+            draft_replica = ""
+            if self.config.speculation.verify_driven and started is not None and not plan.overlap:
+                try:
+                    draft_replica = (await self._call("draft", started)).replica_id
+                    s.draft = self.draft.options(session_id=pin(draft_replica))
+                except Exception as exc:  # noqa: BLE001 - go on with the target alone, on the path below
+                    self._draft_lost(plan, s, exc, "start")
+                started = None
+            if colocated or draft_replica:  # the loop runs in the verify replica (Verify.speculate)
+                steps = self._speculate_in_verify(plan, s, handoff, draft_replica, timer)
                 del handoff  # (the stream's call holds the KV reference until the verifier has resolved it)
                 async for step in steps:
                     yield step
@@ -310,16 +314,8 @@ class SpecDecodeIngress(OpenAIRoutes):
                 self._lost(plan, "prefill", exc, s)
                 opened = await self._open_verify(plan, s, plan.prompt_ids, handoff.first_token, params)
             s.verify, s.opening = self.verify.options(session_id=pin(opened.replica_id)), None
-            timer.kv_handoff_ms = opened.handoff_ms
-            self.metrics.kv_handoff(opened.resolved_bytes, opened.handoff_ms / 1000)
+            self._handed_off(handoff, opened, timer)
             first_token = handoff.first_token
-            self.handoffs.append({
-                "kv_bytes": handoff.kv_bytes,
-                "prefill_node": handoff.prefill_node,
-                "verify_node": opened.node_id,
-                "resolved_bytes": opened.resolved_bytes,
-                "handoff_ms": opened.handoff_ms,
-            })
             del handoff  # the last reference here: the object store frees the KV once the verifier holds it
             timer.ttft_ms = timer.ms()
             policy = self._policy(plan) if plan.adaptive and plan.drafting else None
@@ -352,28 +348,66 @@ class SpecDecodeIngress(OpenAIRoutes):
             if s.draft_back is not None:
                 s.draft_back.cancel()
 
-    async def _speculate_in_verify(self, plan: api.Plan, s: _Sessions, opening: tuple, draft_opened,
+    async def _speculate_in_verify(self, plan: api.Plan, s: _Sessions, handoff: KVHandoff, draft_replica: str,
                                    timer: api.Timer) -> AsyncIterator[StepOutput]:
-        """Experimental (speculation.verify_driven): the loop runs in the verify replica (Verify.speculate), which asks
-        the draft replica directly; here each step is only passed on. The caller closes the sessions."""
-        s.decoding = self.verify.options(stream=True).speculate.remote(
-            s.verify_sid, opening, draft_opened.replica_id, s.draft_sid, plan.max_new_tokens,
-            sorted(self.target.eos_token_ids), plan.num_draft_tokens)
-        del opening  # the last reference here: the object store frees the KV once the verifier holds it
-        opened = await self._call("verify", anext(s.decoding))
-        s.verify = self.verify.options(session_id=pin(opened.replica_id))
-        timer.ttft_ms = timer.ms()
-        first = await self._call("verify", anext(s.decoding))  # prefill's token: no verify step, not in the stats
-        s.tokens += first.token_ids
-        yield first
+        """The request's loop runs in a verify replica (Verify.speculate), drafting there (speculation.colocate_drafter)
+        or asking the draft replica ``draft_replica`` directly (speculation.verify_driven); here each step is only
+        passed on. A lost verify replica (or a KV lost with its prefill replica) is recovered from: the prompt and
+        every emitted token but the last are prefilled again and a fresh stream goes on from that last token (with a
+        remote drafter, without speculation: its session followed the lost loop). The caller closes the sessions."""
+        spec = Speculation(plan.max_new_tokens, sorted(self.target.eos_token_ids), plan.num_draft_tokens, plan.adaptive,
+                           plan.drafter, plan.prompt_ids, draft_replica=draft_replica, draft_sid=s.draft_sid)
+        params = plan.params
         while True:
             try:
-                step = await self._call("verify", anext(s.decoding))
+                if s.decoding is None:
+                    s.decoding = self.verify.options(stream=True).speculate.remote(
+                        s.verify_sid, (handoff, params, spec.drafting and s.features), spec)
+                    opened = await self._call("verify", anext(s.decoding))
+                    s.verify = self.verify.options(session_id=pin(opened.replica_id))
+                    self._handed_off(handoff, opened, timer)
+                    handoff = None  # the last reference here: the object store frees the KV once the verifier holds it
+                    if s.tokens:  # a recovered stream: its first token was emitted before the loss
+                        await self._call("verify", anext(s.decoding))
+                    else:
+                        timer.ttft_ms = timer.ms()
+                item = await self._call("verify", anext(s.decoding))
             except StopAsyncIteration:
                 return
-            plan.stats.add(step)
-            s.tokens += step.token_ids
-            yield step
+            except Exception as exc:  # noqa: BLE001 - a lost replica (or KV) is recovered from; anything else is raised
+                self._stop_decoding(s)
+                lost_kv = isinstance(unwrap(exc), ray_exceptions.ObjectLostError)
+                if not (_replica_lost(exc) or lost_kv):
+                    raise
+                self._lost(plan, "prefill" if lost_kv else "verify", exc, s)
+                s.verify_sid = f"{plan.session_id}#{s.recoveries}"
+                ids, params = plan.prompt_ids + s.tokens[:-1], reseeded(plan.params, len(s.tokens))
+                spec = dataclasses.replace(spec, max_new_tokens=plan.max_new_tokens - max(len(s.tokens) - 1, 0),
+                                           prompt_ids=ids, drafting=spec.drafting and not spec.draft_replica)
+                handoff = await self._retrying(plan, "prefill", lambda: self.prefill.prefill.remote(
+                    ids, params, spec.drafting and s.features))
+                if s.tokens:
+                    handoff = dataclasses.replace(handoff, first_token=s.tokens[-1])  # (prefill's own is not used)
+                continue
+            if isinstance(item, DraftFallback):
+                self._fell_back(plan, item.when, f"{item.error} (in the verify replica)", item.error)
+                continue
+            if s.tokens:  # (prefill's token is no verify step)
+                plan.stats.add(item)
+            s.tokens += item.token_ids
+            yield item
+
+    def _handed_off(self, handoff: KVHandoff, opened: SessionOpened, timer: api.Timer) -> None:
+        """Record a KV handoff prefill -> verify: its latency and bytes (metrics, timings, ``recent_handoffs``)."""
+        timer.kv_handoff_ms = opened.handoff_ms
+        self.metrics.kv_handoff(opened.resolved_bytes, opened.handoff_ms / 1000)
+        self.handoffs.append({
+            "kv_bytes": handoff.kv_bytes,
+            "prefill_node": handoff.prefill_node,
+            "verify_node": opened.node_id,
+            "resolved_bytes": opened.resolved_bytes,
+            "handoff_ms": opened.handoff_ms,
+        })
 
     def _policy(self, plan: api.Plan) -> AdaptiveK:
         """A request's adaptive k, on this replica's measured costs and its drafter's acceptance so far."""
@@ -382,43 +416,27 @@ class SpecDecodeIngress(OpenAIRoutes):
 
     async def _execute(self, calls: Calls, plan: api.Plan, s: _Sessions) -> Results:
         """Run one round of the loop's stage calls (both at once when it pre-drafts) and time each."""
-        results = Results()
 
-        async def propose():
-            start = time.perf_counter()
-            p = calls.propose
+        async def propose(p: Propose):
             try:
-                results.proposal = await self._call("draft", s.draft.propose.remote(s.draft_sid, p.k, p.accepts, p.forced,
-                                                                                    p.guesses))
-                results.propose_s = time.perf_counter() - start
+                return await self._call("draft", s.draft.propose.remote(s.draft_sid, p.k, p.accepts, p.forced, p.guesses))
             except Exception as exc:  # noqa: BLE001 - go on with the target alone
                 self._draft_lost(plan, s, exc, "propose")
-                results.draft_failed = True
+                return None
 
-        async def verify_():
+        async def verify(v: Verify):
             while True:
-                start = time.perf_counter()
                 try:
                     if self.config.speculation.stream_off and not plan.drafting:  # one streamed call
-                        results.verdict = await self._decoded(plan, s)
-                    else:
-                        results.verdict = await self._call("verify", s.verify.verify.remote(
-                            s.verify_sid, calls.verify.draft_ids, calls.verify.probs))
-                    results.verify_s = time.perf_counter() - start
-                    return
+                        return await self._decoded(plan, s)
+                    return await self._call("verify", s.verify.verify.remote(s.verify_sid, v.draft_ids, v.probs))
                 except Exception as exc:  # noqa: BLE001 - a lost replica is recovered from; anything else is raised
                     self._stop_decoding(s)
                     if not _replica_lost(exc):
                         raise
                     await self._reopen_verify(plan, s, exc)  # then verify the same block again
 
-        # both calls end before an error of either is raised: none outlives its request (or its session's close)
-        outcomes = await asyncio.gather(*([propose()] if calls.propose else []), *([verify_()] if calls.verify else []),
-                                        return_exceptions=True)
-        for outcome in outcomes:
-            if isinstance(outcome, BaseException):
-                raise outcome
-        return results
+        return await execute_async(calls, propose, verify)
 
     async def _decoded(self, plan: api.Plan, s: _Sessions):
         """The next verdict of the request's decode stream (Verify.decode: speculation off as one streamed call),
@@ -575,8 +593,11 @@ class SpecDecodeIngress(OpenAIRoutes):
         cause = unwrap(exc)
         if not isinstance(cause, DRAFT_FAILURES):
             raise exc
+        self._fell_back(plan, when, cause, type(cause).__name__)
+
+    def _fell_back(self, plan: api.Plan, when: str, cause, kind: str) -> None:
         logger.warning("request %s: draft stage failed at %s (%s); continuing without speculation", plan.request_id, when, cause)
-        self.metrics.fallback(f"{when}: {type(cause).__name__}")
+        self.metrics.fallback(f"{when}: {kind}")
         plan.fallback = True
 
     def _close_when_opened(self, stage: DeploymentHandle, sid: str, opening) -> None:

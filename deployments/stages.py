@@ -16,6 +16,7 @@ import gc
 import itertools
 import logging
 import time
+from collections import defaultdict
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -30,10 +31,13 @@ from deployments.config import AppConfig
 from deployments.faults import FaultPoints
 from deployments.metrics import SessionMetrics
 from deployments.routing import pin
+from deployments.status import DRAFT_FAILURES, unwrap
 from services import eagle_draft
 from services.draft import DraftEngine, DraftProposal, ProposeCall
+from services.errors import CapacityError, SessionNotFoundError
 from services.loading import LoadedModel, check_device, config_of, load_causal_lm, set_num_threads
-from services.loop import Results, SpeculativeLoop, StepOutput
+from services.loop import SpeculativeLoop, StepOutput, execute_async
+from services.policy import AcceptanceCounts, AdaptiveK, CostModel
 from services.prefill import PrefillCall, PrefillEngine, PrefillProgress
 from services.runner import warm_up
 from services.sampling import SamplingParams
@@ -64,6 +68,29 @@ class SessionOpened:
     resolved_bytes: int = 0
 
 
+@dataclass
+class Speculation:
+    """A request's loop as ``Verify.speculate`` runs it in the verify replica."""
+
+    max_new_tokens: int  # prefill's token included
+    eos: list[int]
+    num_draft_tokens: int  # k; with ``adaptive``, the largest k the replica's policy takes
+    adaptive: bool
+    drafter: str
+    prompt_ids: list[int]  # the context before prefill's token: a colocated drafter's session starts over it
+    drafting: bool = True  # False: the target alone (a remote draft session lost with a recovered verify replica)
+    draft_replica: str = ""  # the draft stage replica holding session ``draft_sid``; "" = this replica's own drafter
+    draft_sid: str = ""
+
+
+@dataclass
+class DraftFallback:
+    """Yielded by ``Verify.speculate`` when a draft failure turned speculation off for the rest of the request."""
+
+    when: str  # "start" or "propose"
+    error: str  # the failure's type name
+
+
 def model_dirs(config: AppConfig) -> tuple[Path, Path]:
     """The configured model folders, or the prepared default pair."""
     from services.models import default_pair
@@ -79,6 +106,23 @@ def load_target(config: AppConfig, stage: str = "") -> LoadedModel:
         return load_causal_lm(model_dirs(config)[0], dtype=config.models.dtype)
     device = stage_device(config, stage)
     return load_causal_lm(model_dirs(config)[0], dtype=config.stage_dtype(stage), device=device)
+
+
+def load_drafter(config: AppConfig, stage: str, target: LoadedModel | None = None) -> DraftEngine:
+    """The draft engine on ``stage``'s device: the draft model, and the EAGLE head when the drafter folder has one,
+    which reads ``target``'s frozen embeddings (default: the target loaded for them, the rest dropped)."""
+    target_dir, draft_dir = model_dirs(config)
+    head_path = eagle_draft.find(draft_dir)
+    head = eagle_draft.load(head_path, target or load_target(config)) if head_path else None
+    engine = DraftEngine(
+        load_causal_lm(draft_dir, dtype=config.stage_dtype(stage), device=stage_device(config, stage)),
+        max_sessions=config.limits.max_sessions,
+        max_kv_bytes=config.limits.max_kv_bytes,
+        max_context=getattr(config_of(target_dir), "max_position_embeddings", None),  # (the pair is checked by the ingress)
+        eagle_head=head,
+    )
+    warm_up(engine.runner)
+    return engine
 
 
 def stage_device(config: AppConfig, stage: str) -> str:
@@ -172,6 +216,9 @@ class _Stage:
             if getattr(self, "batcher", None) is not None:  # (set last in the constructor)
                 for request_id in await self._run(self.engine.sessions.reap, self.config.limits.session_idle_s):
                     self.batcher.forget(request_id)
+                if getattr(self, "drafts", None) is not None:  # a colocated drafter's sessions (Verify)
+                    for request_id in await self._run(self.drafts.sessions.reap, self.config.limits.session_idle_s):
+                        self.draft_batcher.forget(request_id)
                 self.session_metrics.update(*await self._run(self._session_counts))
             await asyncio.sleep(GAUGE_PERIOD_S)
 
@@ -234,19 +281,7 @@ class Draft(_Stage):
 
     def __init__(self, config: dict):
         super().__init__(config)
-        target_dir, draft_dir = model_dirs(self.config)
-        target_config = config_of(target_dir)  # the pair itself is checked by the ingress
-        head_path = eagle_draft.find(draft_dir)
-        # the EAGLE head reads the target's frozen embeddings: load the target for them (the rest is dropped)
-        head = eagle_draft.load(head_path, load_target(self.config)) if head_path else None
-        self.engine = DraftEngine(
-            load_causal_lm(draft_dir, dtype=self.config.stage_dtype(self.stage), device=stage_device(self.config, self.stage)),
-            max_sessions=self.config.limits.max_sessions,
-            max_kv_bytes=self.config.limits.max_kv_bytes,
-            max_context=getattr(target_config, "max_position_embeddings", None),
-            eagle_head=head,
-        )
-        warm_up(self.engine.runner)
+        self.engine = load_drafter(self.config, self.stage)
         # proposals of concurrent sessions draft in lockstep, one model pass per draft step for all of them; a
         # session calls again only after its verify step, so a pass does not wait for the sessions it answered
         self.batcher = self._batcher(self._propose_pass, gather_max_s=0.0)
@@ -288,18 +323,35 @@ class Verify(_Stage):
     def __init__(self, config: dict, draft=None):
         super().__init__(config)
         self.draft = draft  # the draft deployment: ``speculate`` asks it directly
-        self.engine = VerifyEngine(
-            load_target(self.config, self.stage), max_sessions=self.config.limits.max_sessions,
-            max_kv_bytes=self.config.limits.max_kv_bytes
-        )
+        target = load_target(self.config, self.stage)
+        self.engine = VerifyEngine(target, max_sessions=self.config.limits.max_sessions,
+                                   max_kv_bytes=self.config.limits.max_kv_bytes)
         warm_up(self.engine.runner)
-        self.batcher = self._batcher(self._verify_pass)
         self._decoding: set[str] = set()  # sessions decoding as a stream (``decode``) until they close
         self.decode_streams = 0  # decode calls in all
+        # speculation.colocate_drafter: a drafter of this replica's own, on the target's device and engine thread
+        # (the EAGLE head on the target's embeddings); ``speculate`` asks it without a stage hop
+        self.drafts: DraftEngine | None = None
+        if self.config.speculation.colocate_drafter:
+            self.drafts = load_drafter(self.config, self.stage, target)
+            self.draft_metrics = SessionMetrics("draft")
+            self.draft_batcher = ContinuousBatcher(
+                self._propose_pass, max_rows=self.config.batch_rows("draft"), gather_max_s=0.0,
+                on_pass=lambda p: self.draft_metrics.batched_pass(p.calls, p.rows))
+        # what the adaptive policy of ``speculate`` learns here, per drafter: step costs and acceptance
+        self.costs: dict[str, CostModel] = defaultdict(CostModel)
+        self.acceptance: dict[str, AcceptanceCounts] = defaultdict(AcceptanceCounts)
+        self.batcher = self._batcher(self._verify_pass)
 
     async def stats(self) -> dict:
-        """``_Stage.stats``, and the decode streams running now (``decoding``) and started in all (``decode_streams``)."""
-        return {**await super().stats(), "decoding": len(self._decoding), "decode_streams": self.decode_streams}
+        """``_Stage.stats``, the decode streams running now (``decoding``) and started in all (``decode_streams``),
+        and the colocated drafter's open sessions and batched passes (``draft_sessions``, ``draft_passes``,
+        ``draft_largest_pass``; 0 without one)."""
+        draft = {"draft_sessions": 0, "draft_passes": 0, "draft_largest_pass": 0}
+        if self.drafts is not None:
+            draft = {"draft_sessions": await self._run(lambda: len(self.drafts.sessions)),
+                     "draft_passes": self.draft_batcher.passes, "draft_largest_pass": self.draft_batcher.largest_pass}
+        return {**await super().stats(), "decoding": len(self._decoding), "decode_streams": self.decode_streams, **draft}
 
     async def decode(self, request_id: str, max_tokens: int, stop_ids: list[int],
                      opening: tuple[KVHandoff, SamplingParams] | None = None) -> AsyncIterator[SessionOpened | VerifyResult]:
@@ -359,38 +411,80 @@ class Verify(_Stage):
                 # never learns where the session is. On the engine thread, so after an open still running there.
                 self._executor.submit(self.engine.close, request_id)
 
-    async def speculate(self, request_id: str, opening: tuple, draft_replica: str, draft_sid: str, max_new_tokens: int,
-                        eos: list[int], k: int) -> AsyncIterator:
-        """Experimental: open the session, then run the request's speculative loop here, asking the draft replica
-        for proposals directly; yields SessionOpened, then each StepOutput."""
+    async def speculate(self, request_id: str, opening: tuple[KVHandoff, SamplingParams, bool],
+                        spec: Speculation) -> AsyncIterator[SessionOpened | StepOutput | DraftFallback]:
+        """Run a request's speculative loop here, next to the target, as one streamed call: open its verify session
+        from the prefill's handoff (``opening``: handoff, sampling parameters, features) and yield the
+        SessionOpened, then prefill's token and every step's StepOutput (a DraftFallback before the step after
+        drafting failed; the answer is the same).
+
+        Verify calls join this replica's batched passes directly, and the delivery of a step to the ingress
+        overlaps the next step. Proposals come from this replica's own drafter (``spec.draft_replica`` "", with
+        speculation.colocate_drafter: no stage hop at all; its session starts here over ``spec.prompt_ids`` and the
+        prefill's features) or from the draft replica holding the request's session, asked directly (one hop a
+        step instead of two). With ``spec.adaptive`` the replica's own policy picks k for every step from what it
+        measured here. The sessions this call opened close when it ends, whatever ended it."""
         handoff, params, features = opening
+        local = spec.drafting and not spec.draft_replica
+        fell_back: list[DraftFallback] = []  # at most one: then drafting is off
+
+        async def propose(p):
+            try:
+                if local:
+                    return await self.draft_batcher.submit(ProposeCall(request_id, p.k, list(p.forced), p.guesses,
+                                                                       list(p.accepts)))
+                return await asyncio.wait_for(remote.propose.remote(spec.draft_sid, p.k, p.accepts, p.forced, p.guesses),
+                                              timeout=self.config.limits.stage_timeout_s)
+            except Exception as exc:  # noqa: BLE001 - a draft failure: go on with the target alone
+                cause = unwrap(exc)
+                if not isinstance(cause, DRAFT_FAILURES + (asyncio.TimeoutError,)):
+                    raise
+                fell_back.append(DraftFallback("propose", type(cause).__name__))
+                return None
+
+        async def verify(v):
+            await self.faults.point("verify")
+            return await self.batcher.submit(VerifyCall(request_id, list(v.draft_ids), v.probs))
+
         try:
             yield await self.open(request_id, handoff, params, features)
-            draft = self.draft.options(session_id=pin(draft_replica))
-            loop = SpeculativeLoop(handoff.first_token, max_new_tokens=max_new_tokens, eos=set(eos), num_draft_tokens=k,
-                                   drafting=True)
+            drafting = spec.drafting
+            if local:
+                prompt_features = await handoff.feature_refs[0] if handoff.feature_refs else None
+                try:
+                    await self._run(self.drafts.start, request_id, spec.prompt_ids, params, spec.drafter, prompt_features)
+                except (CapacityError, SessionNotFoundError) as exc:  # drafter full: the target alone
+                    drafting = False
+                    yield DraftFallback("start", type(exc).__name__)
+            remote = self.draft.options(session_id=pin(spec.draft_replica)) if spec.draft_replica else None
+            first_token = handoff.first_token
+            del handoff, opening  # (the prefill's KV and features are held by the sessions now)
+            policy = None
+            if spec.adaptive and drafting:
+                policy = AdaptiveK(self.costs[spec.drafter], self.acceptance[spec.drafter], k_max=spec.num_draft_tokens,
+                                   load=lambda: len(self.engine.sessions),
+                                   max_load=self.config.speculation.off_above_concurrency)
+            loop = SpeculativeLoop(first_token, max_new_tokens=spec.max_new_tokens,
+                                   eos=set(spec.eos), num_draft_tokens=spec.num_draft_tokens, drafting=drafting,
+                                   policy=policy)
             results = None
             while (item := loop.advance(results)) is not None:
                 if isinstance(item, StepOutput):
+                    if fell_back:
+                        yield fell_back.pop()
                     yield item
                     results = None
-                    continue
-                results = Results()
-                if item.propose is not None:
-                    p, start = item.propose, time.perf_counter()
-                    try:
-                        results.proposal = await draft.propose.remote(draft_sid, p.k, p.accepts, p.forced, p.guesses)
-                    except Exception:  # noqa: BLE001 - go on with the target alone
-                        results.draft_failed = True
-                    results.propose_s = time.perf_counter() - start
-                if item.verify is not None:
-                    start = time.perf_counter()
-                    results.verdict = await self.batcher.submit(
-                        VerifyCall(request_id, list(item.verify.draft_ids), item.verify.probs))
-                    results.verify_s = time.perf_counter() - start
+                else:
+                    results = await execute_async(item, propose, verify)
         finally:
             self.batcher.forget(request_id)
-            self._executor.submit(self.engine.close, request_id)
+            self._executor.submit(self.engine.close, request_id)  # (on the engine thread: after an open running there)
+            if local:
+                self.draft_batcher.forget(request_id)
+                self._executor.submit(self.drafts.close, request_id)
+
+    async def _propose_pass(self, calls: list[ProposeCall]) -> list:
+        return await self._run(self.drafts.propose_batch, calls)
 
     async def open(self, request_id: str, handoff: KVHandoff, params: SamplingParams, features: bool = False) -> SessionOpened:
         """``features``: each verdict carries the target's features of the accepted positions (feature drafters)."""

@@ -37,6 +37,11 @@ class ModelNotFoundError(SplitspecError):
     """An OpenAI API request names a model this server does not serve (NOT_FOUND: HTTP 404, as OpenAI answers)."""
 
 
+# Draft-stage failures after which a request goes on without speculation (the answer is the same).
+DRAFT_FAILURES = (StageUnavailableError, CapacityError, SessionNotFoundError, ray_exceptions.RayActorError,
+                  ray_exceptions.ActorUnavailableError, ray_exceptions.ObjectLostError)
+
+
 def unwrap(exc: BaseException) -> BaseException:
     """The exception a stage raised, without Ray's RayTaskError wrapper."""
     while isinstance(exc, ray_exceptions.RayTaskError) and exc.cause is not None and exc.cause is not exc:

@@ -4,7 +4,9 @@
 and verify stages and reads their answers, but calls nothing itself. A driver
 moves the data: ``speculative_decode`` here runs the engines in-process
 (benchmarks, ``generate --local``, tests); the Ray ingress runs the same loop
-over the stage handles (deployments/ingress.py).
+over the stage handles (deployments/ingress.py), and the verify replica runs
+it next to the target (deployments/stages.py: ``Verify.speculate``); both
+execute a round's calls with ``execute_async``.
 
     loop = SpeculativeLoop(first_token, ...)
     results = None
@@ -28,9 +30,10 @@ tokens.
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
-from collections.abc import Generator, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Generator, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -360,6 +363,32 @@ def _execute(calls: Calls, draft: DraftEngine, verify: VerifyEngine, request_id:
         results.verify_s = time.perf_counter() - start
     if drafting is not None:
         drafting.result()
+    return results
+
+
+async def execute_async(calls: Calls, propose: Callable[[Propose], Awaitable[DraftProposal | None]],
+                        verify: Callable[[Verify], Awaitable[VerifyResult]]) -> Results:
+    """One round of the loop's stage calls for an asyncio driver (the ingress, the verify replica): both at once when
+    both are set, each timed. ``propose`` returns None when the draft stage failed (the loop goes on with the target
+    alone); an error of either call is raised once both have ended, so that none outlives its round."""
+    results = Results()
+
+    async def proposing():
+        start = time.perf_counter()
+        results.proposal = await propose(calls.propose)
+        results.propose_s = time.perf_counter() - start
+        results.draft_failed = results.proposal is None
+
+    async def verifying():
+        start = time.perf_counter()
+        results.verdict = await verify(calls.verify)
+        results.verify_s = time.perf_counter() - start
+
+    outcomes = await asyncio.gather(*([proposing()] if calls.propose else []), *([verifying()] if calls.verify else []),
+                                    return_exceptions=True)
+    for outcome in outcomes:
+        if isinstance(outcome, BaseException):
+            raise outcome
     return results
 
 

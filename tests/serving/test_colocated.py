@@ -1,0 +1,147 @@
+"""speculation.colocate_drafter: each verify replica drafts itself and a speculating request's loop runs there
+(Verify.speculate), with no draft-stage call. Greedy output equals the target alone for every drafter and for
+adaptive and pinned k; seeded sampling is reproducible and follows the target; concurrent sessions share draft and
+verify passes; a lost verify replica is recovered from; a cancelled stream leaves no session."""
+
+import concurrent.futures
+
+import pytest
+import ray
+
+from tests.serving.conftest import BOUND_S, MAX_NEW_TOKENS, PROMPTS, arm, handle, held, make_config, serving, until
+
+pytestmark = pytest.mark.slow
+
+POLICIES = [dict(speculate=True, drafter=drafter, num_draft_tokens=k)
+            for drafter in ("model", "eagle", "prompt_lookup") for k in (0, 1, 3)]  # k = 0: adaptive
+
+
+@pytest.fixture(scope="module")
+def client():
+    with serving(make_config(speculation={"colocate_drafter": True}, faults={"enabled": True})) as client:
+        yield client
+
+
+def _stats(deployment: str) -> dict:
+    return handle(deployment).stats.remote().result(timeout_s=60)
+
+
+def _tokens(chunks) -> list[int]:
+    return [t for c in chunks for t in c.token_ids]
+
+
+@pytest.mark.parametrize("policy", POLICIES, ids=lambda p: f"{p['drafter']}-k{p['num_draft_tokens']}")
+def test_greedy_equals_target_alone(client, reference, policy):
+    drafted = 0
+    for prompt in PROMPTS:
+        response = client.generate(messages=[("user", prompt)], max_new_tokens=MAX_NEW_TOKENS, **policy)
+        assert list(response.token_ids) == reference(prompt), prompt
+        stats = response.speculation_stats
+        assert stats.enabled and stats.adaptive == (policy["num_draft_tokens"] == 0) and not stats.fell_back
+        assert stats.accepted <= stats.drafted and stats.steps > 0
+        assert stats.accepted + stats.steps + 1 >= len(response.token_ids)  # every token came from a step
+        drafted += stats.drafted
+    assert drafted > 0 or policy["drafter"] == "prompt_lookup"
+    assert _stats("Draft")["opened"] == 0  # the draft stage was never asked
+    assert _stats("Verify")["draft_passes"] > 0
+
+
+def test_stream_matches_unary(client):
+    kwargs = dict(messages=[("user", PROMPTS[3])], max_new_tokens=MAX_NEW_TOKENS, drafter="eagle", num_draft_tokens=2)
+    unary = client.generate(**kwargs)
+    chunks = list(client.stream(**kwargs))
+    assert _tokens(chunks) == list(unary.token_ids)
+    assert "".join(c.text for c in chunks) == unary.text
+    assert sum(c.accepted_tokens for c in chunks) == unary.speculation_stats.accepted
+    assert sum(c.drafted_tokens for c in chunks) == unary.speculation_stats.drafted
+
+
+def test_seeded_sampling_is_reproducible(client):
+    kwargs = dict(messages=[("user", PROMPTS[1])], max_new_tokens=MAX_NEW_TOKENS, temperature=0.8, top_p=0.95, seed=7,
+                  num_draft_tokens=3, drafter="eagle")
+    first, second = client.generate(**kwargs), client.generate(**kwargs)
+    assert list(first.token_ids) == list(second.token_ids) and first.speculation_stats.drafted > 0
+    assert list(client.generate(**{**kwargs, "seed": 8}).token_ids) != list(first.token_ids)
+
+
+SAMPLED_DRAWS = 300
+
+
+def test_sampled_tokens_follow_the_target(client, default_pair, target_info):
+    """Seeded draws with EAGLE drafts (k = 2) drafted in the verify replica: the second token (the first verify
+    step's, an accepted draft or a recovered token) follows the target's p given the first."""
+    import torch
+
+    from services.sampling import SamplingParams, logits_to_probs
+    from services.text import encode_prompt
+    from tests.services.test_sampling import assert_follows
+
+    target, _ = default_pair
+    prompt = "The capital of France is"
+    seconds: dict[int, list[int]] = {}
+    drafted = 0
+    for seed in range(SAMPLED_DRAWS):
+        response = client.generate(prompt, max_new_tokens=4, temperature=1.0, seed=seed, drafter="eagle",
+                                   num_draft_tokens=2)
+        first, second = response.token_ids[:2]
+        seconds.setdefault(first, []).append(second)
+        drafted += response.speculation_stats.drafted
+    first, draws = max(seconds.items(), key=lambda kv: len(kv[1]))
+    assert len(draws) >= SAMPLED_DRAWS // 2 and drafted > 0, f"{len(draws)} draws, {drafted} drafted"
+    ids = encode_prompt(target_info.tokenizer, prompt, []) + [first]
+    with torch.inference_mode():
+        logits = target.model(input_ids=torch.tensor([ids])).logits[0, -1:]
+    p = logits_to_probs(logits.float(), SamplingParams(temperature=1.0))[0]  # [vocab_size]
+    assert_follows(torch.bincount(torch.tensor(draws), minlength=p.shape[0]).float(), p)
+
+
+def test_concurrent_streams_share_draft_and_verify_passes(client, reference):
+    """Eight concurrent speculating requests (pinned and adaptive k, EAGLE and the model drafter): each answer is the
+    one it gets alone, and the replica drafted and verified several sessions in one pass."""
+    mix = [dict(drafter="eagle", num_draft_tokens=1), dict(drafter="eagle", num_draft_tokens=3),
+           dict(drafter="model", num_draft_tokens=2), dict(drafter="eagle", num_draft_tokens=0)]
+    jobs = [(prompt, mix[i % len(mix)]) for i, prompt in enumerate(PROMPTS)]
+
+    def run(job):
+        prompt, policy = job
+        return _tokens(client.stream(messages=[("user", prompt)], max_new_tokens=MAX_NEW_TOKENS, speculate=True, **policy))
+
+    with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
+        answers = list(pool.map(run, jobs))
+    for (prompt, policy), tokens in zip(jobs, answers):
+        assert tokens == reference(prompt), (prompt, policy)
+    stats = _stats("Verify")
+    assert stats["largest_pass"] >= 2 and stats["draft_largest_pass"] >= 2, stats
+
+
+def test_cancelled_stream_leaves_no_session(client):
+    stream = client.stream(messages=[("user", PROMPTS[0])], max_new_tokens=200, drafter="eagle", num_draft_tokens=2)
+    for _, _chunk in zip(range(3), stream):
+        pass
+    stream.cancel()
+    until("no session left", lambda: _stats("Verify"),
+          done=lambda st: st["sessions"] == 0 and st["draft_sessions"] == 0)
+
+
+LONG = "Count from 1 to 100."  # its answer runs past the budget: the fault strikes mid-request
+
+
+def test_verify_replica_lost_mid_stream(client, reference):
+    """The replica running the loop holds its 4th verify call and is killed: the ingress prefills the prompt and the
+    tokens so far again and a fresh loop on the replacement (drafting there too) streams the rest, exactly."""
+    recoveries = lambda: _stats("SpecDecodeIngress")["recoveries"].get("verify", 0)  # noqa: E731
+    before = recoveries()
+    expected = reference(LONG, 64)
+    assert len(expected) == 64
+    name = arm("Verify", "verify", "hold", after=3)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        answer = pool.submit(lambda: list(client.stream(messages=[("user", LONG)], max_new_tokens=64, drafter="eagle",
+                                                        num_draft_tokens=2)))
+        until("a verify call held", lambda: held("Verify"))
+        ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
+        chunks = answer.result(timeout=BOUND_S)
+    assert _tokens(chunks) == expected
+    stats = chunks[-1].speculation_stats
+    assert stats.drafted > 0 and not stats.fell_back
+    assert recoveries() == before + 1
+    until("no session left", lambda: _stats("Verify"), done=lambda st: st["sessions"] == 0 and st["draft_sessions"] == 0)
