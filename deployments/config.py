@@ -61,12 +61,13 @@ class StageConfig(_Strict):
 class SpeculationDefaults(_Strict):
     enabled: bool = Field(True, description="speculate unless a request turns it off")
     colocate_drafter: bool = Field(
-        False, description="each verify replica loads the drafter too (on its device, as vLLM runs an EAGLE head) and "
+        True, description="each verify replica loads the drafter too (on its device, as vLLM runs an EAGLE head) and "
         "a speculating request runs its loop there as one streamed call: no stage hop per step. The draft stage then "
-        "serves only pre-drafting requests (overlap). For a drafter without a device of its own",
+        "serves only pre-drafting requests (overlap). Turn it off where the drafter has an accelerator of its own",
     )
-    verify_driven: bool = Field(False, description="experimental: a speculating request runs its loop in the verify "
-                                "replica as one streamed call that asks the draft replica directly")
+    verify_driven: bool = Field(False, description="experimental, with colocate_drafter off: a speculating request "
+                                "runs its loop in the verify replica as one streamed call that asks the draft replica "
+                                "directly")
     num_draft_tokens: int = Field(
         0, ge=0, le=MAX_DRAFT_TOKENS,
         description="default k; 0 = adaptive: k picked per step (0 included) from measured acceptance and costs",
@@ -181,6 +182,9 @@ class AppConfig(_Strict):
     def _check(self) -> "AppConfig":
         if self.speculation.drafter and self.speculation.drafter not in DRAFTERS:
             raise ValueError(f"speculation.drafter must be one of {list(DRAFTERS)}, got {self.speculation.drafter!r}")
+        if self.speculation.verify_driven and self.speculation.colocate_drafter:
+            raise ValueError("speculation.verify_driven asks the draft stage from the verify replica: set "
+                             "speculation.colocate_drafter to false with it (colocated, the verify replica drafts itself)")
         if self.limits.default_max_new_tokens > self.limits.max_new_tokens:
             raise ValueError("limits.default_max_new_tokens must not exceed limits.max_new_tokens")
         if self.limits.session_idle_s <= self.limits.request_timeout_s:

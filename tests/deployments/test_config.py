@@ -35,6 +35,7 @@ def test_shipped_configs_validate(name):
     {"stages": {"verify": {"dtype": "bfloat16"}}},  # prefill stays float32: the KV could not pass between them
     {"stages": {"draft": {"dtype": "int4"}}},
     {"limits": {"request_timeout_s": 60, "session_idle_s": 60}},  # a live request's sessions could be closed
+    {"speculation": {"verify_driven": True}},  # it asks the draft stage: needs colocate_drafter off
 ])
 def test_bad_config_is_refused(bad):
     with pytest.raises(ValidationError):

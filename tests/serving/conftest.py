@@ -119,9 +119,11 @@ def held(deployment: str) -> bool:
 
 
 def open_sessions() -> dict[str, int]:
-    """Sessions open, and KV bytes held, on the Draft and on the Verify replica."""
+    """Sessions open, and KV bytes held, on the Draft and on the Verify replica (and the verify replica's own
+    drafter's sessions: speculation.colocate_drafter)."""
     stats = {d: handle(d).stats.remote().result(timeout_s=60) for d in ("Draft", "Verify")}
-    return {f"{d} {what}": s[what] for d, s in stats.items() for what in ("sessions", "kv_bytes")}
+    held = {f"{d} {what}": s[what] for d, s in stats.items() for what in ("sessions", "kv_bytes")}
+    return {**held, "Verify draft_sessions": stats["Verify"]["draft_sessions"]}
 
 
 @pytest.fixture(scope="session")

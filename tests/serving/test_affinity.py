@@ -15,7 +15,8 @@ TWO = {"num_replicas": 2}
 
 @pytest.fixture(scope="module")
 def client():
-    with serving(make_config(stages={"prefill": TWO, "draft": TWO, "verify": TWO}, ingress_replicas=2)) as client:
+    with serving(make_config(stages={"prefill": TWO, "draft": TWO, "verify": TWO}, ingress_replicas=2,
+                                 speculation={"colocate_drafter": False})) as client:
         yield client
 
 

@@ -1,4 +1,4 @@
-"""speculation.colocate_drafter: each verify replica drafts itself and a speculating request's loop runs there
+"""speculation.colocate_drafter (the default): each verify replica drafts itself and a speculating request's loop runs there
 (Verify.speculate), with no draft-stage call. Greedy output equals the target alone for every drafter and for
 adaptive and pinned k; seeded sampling is reproducible and follows the target; concurrent sessions share draft and
 verify passes; a lost verify replica is recovered from; a cancelled stream leaves no session."""
@@ -18,7 +18,7 @@ POLICIES = [dict(speculate=True, drafter=drafter, num_draft_tokens=k)
 
 @pytest.fixture(scope="module")
 def client():
-    with serving(make_config(speculation={"colocate_drafter": True}, faults={"enabled": True})) as client:
+    with serving(make_config(faults={"enabled": True})  # colocate_drafter: the default) as client:
         yield client
 
 

@@ -24,7 +24,7 @@ LONG = ["Count from 1 to 100.", "Write a short story about a robot.", "List the 
 
 @pytest.fixture(scope="module")
 def client():
-    with serving(make_config(faults={"enabled": True})) as client:
+    with serving(make_config(faults={"enabled": True}, speculation={"colocate_drafter": False})) as client:
         yield client
 
 

@@ -20,7 +20,9 @@ def policy_id(p: dict) -> str:
 
 @pytest.fixture(scope="module")
 def client():
-    with serving(make_config()) as client:
+    # the disaggregated graph: proposals come from the draft stage through the ingress (the default, a drafter in
+    # the verify replica, is tested in test_colocated.py and by every module that serves the default config)
+    with serving(make_config(speculation={"colocate_drafter": False})) as client:
         yield client
 
 

@@ -8,12 +8,12 @@ from tests.serving.conftest import MAX_NEW_TOKENS, PROMPTS, handle, make_config,
 pytestmark = pytest.mark.slow
 
 POLICIES = [dict(speculate=True, drafter=drafter, num_draft_tokens=k)
-            for drafter in ("model", "eagle", "prompt_lookup") for k in (1, 3)]
+            for drafter in ("model", "eagle", "prompt_lookup") for k in (0, 1, 3)]  # k = 0: adaptive
 
 
 @pytest.fixture(scope="module")
 def client():
-    with serving(make_config(speculation={"verify_driven": True})) as client:
+    with serving(make_config(speculation={"verify_driven": True, "colocate_drafter": False})) as client:
         yield client
 
 
