@@ -38,6 +38,7 @@ from services.draft import DRAFTERS, EAGLE_DRAFTER, FEATURE_DRAFTERS, MODEL_DRAF
 from services.errors import SessionEvictedError, SessionNotFoundError
 from services.loading import check_tokenizers, describe
 from services.loop import PRE_DRAFT_GUESSES, Calls, Propose, Results, SpeculativeLoop, StepOutput, Verify, execute_async
+from services import policy as spec_policy
 from services.policy import AcceptanceCounts, AdaptiveK, CostModel, RequestGate
 from services.sampling import reseeded
 from services.text import TextStream
@@ -653,17 +654,14 @@ class SpecDecodeIngress(OpenAIRoutes):
                 logger.exception("placement check failed")
 
     async def policy_state(self) -> dict:
-        """What the adaptive policy has learned on this replica, per drafter: step costs (ms) and acceptance."""
-        state = {}
-        for drafter, costs in self.costs.items():
-            counts = self.acceptance.get(drafter)
-            state[drafter] = {
-                "verify_ms": {n: round(s * 1000, 2) for n, s in sorted(costs.verify_s.items())},
-                "propose_ms": {k: round(s * 1000, 2) for k, s in sorted(costs.propose_s.items())},
-                "overhead_ms": round(costs.overhead_s * 1000, 2),
-                "off_step_ms": round(costs.off_step_s * 1000, 2) if costs.off_step_s is not None else None,
-                "acceptance_by_position": [round(counts.rate(j), 3) for j in range(len(counts.reached))] if counts else [],
-            }
+        """What the adaptive policy has learned, per drafter: step costs (ms) and acceptance — on this replica (the
+        loops it drives, and its requests' decode streams), and under "verify_replica" on one verify replica (the
+        loops that run there: speculation.colocate_drafter / verify_driven)."""
+        state = {drafter: spec_policy.describe(costs, self.acceptance.get(drafter)) for drafter, costs in self.costs.items()}
+        try:
+            state["verify_replica"] = await self._call("verify", self.verify.policy_state.remote())
+        except Exception as exc:  # noqa: BLE001 - a report: say why it lacks the replica's part
+            state["verify_replica"] = {"error": str(unwrap(exc))}
         return state
 
     async def stats(self) -> dict:

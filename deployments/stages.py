@@ -37,7 +37,7 @@ from services.draft import DraftEngine, DraftProposal, ProposeCall
 from services.errors import CapacityError, SessionNotFoundError
 from services.loading import LoadedModel, check_device, config_of, load_causal_lm, set_num_threads
 from services.loop import SpeculativeLoop, StepOutput, execute_async
-from services.policy import AcceptanceCounts, AdaptiveK, CostModel
+from services.policy import AcceptanceCounts, AdaptiveK, CostModel, describe
 from services.prefill import PrefillCall, PrefillEngine, PrefillProgress
 from services.runner import warm_up
 from services.sampling import SamplingParams
@@ -485,6 +485,10 @@ class Verify(_Stage):
 
     async def _propose_pass(self, calls: list[ProposeCall]) -> list:
         return await self._run(self.drafts.propose_batch, calls)
+
+    async def policy_state(self) -> dict:
+        """What the adaptive policy of ``speculate`` has learned on this replica, per drafter (services.policy.describe)."""
+        return {drafter: describe(costs, self.acceptance.get(drafter)) for drafter, costs in self.costs.items()}
 
     async def open(self, request_id: str, handoff: KVHandoff, params: SamplingParams, features: bool = False) -> SessionOpened:
         """``features``: each verdict carries the target's features of the accepted positions (feature drafters)."""

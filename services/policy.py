@@ -249,6 +249,17 @@ class RequestGate:
         return DECLINED_COST
 
 
+def describe(costs: CostModel, counts: AcceptanceCounts | None) -> dict:
+    """What a driver's policy has learned for one drafter: step costs (ms) and acceptance by position."""
+    return {
+        "verify_ms": {n: round(s * 1000, 2) for n, s in sorted(costs.verify_s.items())},
+        "propose_ms": {k: round(s * 1000, 2) for k, s in sorted(costs.propose_s.items())},
+        "overhead_ms": round(costs.overhead_s * 1000, 2),
+        "off_step_ms": round(costs.off_step_s * 1000, 2) if costs.off_step_s is not None else None,
+        "acceptance_by_position": [round(counts.rate(j), 3) for j in range(len(counts.reached))] if counts else [],
+    }
+
+
 def _extrapolate(averages: dict[int, float], key: int, scale) -> float | None:
     """The average at ``key``, else the nearest measured one rescaled by scale(key) / scale(near); None if none."""
     if key in averages:

@@ -18,7 +18,7 @@ POLICIES = [dict(speculate=True, drafter=drafter, num_draft_tokens=k)
 
 @pytest.fixture(scope="module")
 def client():
-    with serving(make_config(faults={"enabled": True})  # colocate_drafter: the default) as client:
+    with serving(make_config(faults={"enabled": True})) as client:  # colocate_drafter: the default
         yield client
 
 
@@ -145,3 +145,11 @@ def test_verify_replica_lost_mid_stream(client, reference):
     assert stats.drafted > 0 and not stats.fell_back
     assert recoveries() == before + 1
     until("no session left", lambda: _stats("Verify"), done=lambda st: st["sessions"] == 0 and st["draft_sessions"] == 0)
+
+
+def test_policy_state_reports_what_the_replica_learned(client):
+    """The adaptive policy of a loop in the verify replica learns its costs there; the ingress's policy_state (what
+    `splitspec bench grpc` prints) reports them under "verify_replica"."""
+    client.generate(messages=[("user", PROMPTS[4])], max_new_tokens=MAX_NEW_TOKENS, drafter="eagle", num_draft_tokens=0)
+    state = handle("SpecDecodeIngress").policy_state.remote().result(timeout_s=60)["verify_replica"]["eagle"]
+    assert state["verify_ms"] and state["propose_ms"] and state["acceptance_by_position"], state
