@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from services.draft import DRAFTERS
 from services.loading import DTYPES
 from services.policy import DEFAULT_EXPLORE_EVERY, DEFAULT_MAX_DRAFT_TOKENS
+from services.tree import MAX_TREE_WIDTH
 from services.validation import MAX_DRAFT_TOKENS, MIN_DRAFT_TOKENS
 
 STAGES = ("prefill", "draft", "verify")
@@ -64,6 +65,11 @@ class SpeculationDefaults(_Strict):
         True, description="each verify replica loads the drafter too (on its device, as vLLM runs an EAGLE head) and "
         "a speculating request runs its loop there as one streamed call: no stage hop per step. The draft stage then "
         "serves only pre-drafting requests (overlap). Turn it off where the drafter has an accelerator of its own",
+    )
+    tree_width: int = Field(
+        1, ge=1, le=MAX_TREE_WIDTH, description="candidates per draft position for greedy requests: > 1 drafts a tree, "
+        "the chain and the drafter's next most likely tokens at each depth, verified in one pass (services.tree; "
+        "exact for greedy decoding, sampled requests draft chains)",
     )
     verify_driven: bool = Field(False, description="experimental, with colocate_drafter off: a speculating request "
                                 "runs its loop in the verify replica as one streamed call that asks the draft replica "

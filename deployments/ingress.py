@@ -323,7 +323,7 @@ class SpecDecodeIngress(OpenAIRoutes):
             loop = SpeculativeLoop(first_token, max_new_tokens=plan.max_new_tokens, eos=self.target.eos_token_ids,
                                    num_draft_tokens=plan.num_draft_tokens, drafting=s.draft is not None and not plan.fallback,
                                    policy=policy, overlap=plan.overlap, guesses=PRE_DRAFT_GUESSES[plan.drafter],
-                                   stats=plan.stats)
+                                   stats=plan.stats, tree_width=self._tree_width(plan))
             results = None
             while (item := loop.advance(results)) is not None:
                 if isinstance(item, StepOutput):
@@ -357,7 +357,8 @@ class SpecDecodeIngress(OpenAIRoutes):
         every emitted token but the last are prefilled again and a fresh stream goes on from that last token (with a
         remote drafter, without speculation: its session followed the lost loop). The caller closes the sessions."""
         spec = Speculation(plan.max_new_tokens, sorted(self.target.eos_token_ids), plan.num_draft_tokens, plan.adaptive,
-                           plan.drafter, plan.prompt_ids, draft_replica=draft_replica, draft_sid=s.draft_sid)
+                           plan.drafter, plan.prompt_ids, draft_replica=draft_replica, draft_sid=s.draft_sid,
+                           tree_width=self._tree_width(plan))
         params = plan.params
         while True:
             try:
@@ -413,14 +414,20 @@ class SpecDecodeIngress(OpenAIRoutes):
     def _policy(self, plan: api.Plan) -> AdaptiveK:
         """A request's adaptive k, on this replica's measured costs and its drafter's acceptance so far."""
         return AdaptiveK(self.costs[plan.drafter], self.acceptance[plan.drafter], k_max=plan.num_draft_tokens,
-                         load=lambda: self.active, max_load=self.config.speculation.off_above_concurrency)
+                         load=lambda: self.active, max_load=self.config.speculation.off_above_concurrency,
+                         width=self._tree_width(plan))
+
+    def _tree_width(self, plan: api.Plan) -> int:
+        """Draft trees (speculation.tree_width) for a greedy request that does not pre-draft; chains otherwise."""
+        return self.config.speculation.tree_width if plan.params.greedy and not plan.overlap else 1
 
     async def _execute(self, calls: Calls, plan: api.Plan, s: _Sessions) -> Results:
         """Run one round of the loop's stage calls (both at once when it pre-drafts) and time each."""
 
         async def propose(p: Propose):
             try:
-                return await self._call("draft", s.draft.propose.remote(s.draft_sid, p.k, p.accepts, p.forced, p.guesses))
+                return await self._call("draft", s.draft.propose.remote(s.draft_sid, p.k, p.accepts, p.forced, p.guesses,
+                                                                        p.width))
             except Exception as exc:  # noqa: BLE001 - go on with the target alone
                 self._draft_lost(plan, s, exc, "propose")
                 return None
@@ -430,7 +437,7 @@ class SpecDecodeIngress(OpenAIRoutes):
                 try:
                     if self.config.speculation.stream_off and not plan.drafting:  # one streamed call
                         return await self._decoded(plan, s)
-                    return await self._call("verify", s.verify.verify.remote(s.verify_sid, v.draft_ids, v.probs))
+                    return await self._call("verify", s.verify.verify.remote(s.verify_sid, v.draft_ids, v.probs, v.parents))
                 except Exception as exc:  # noqa: BLE001 - a lost replica is recovered from; anything else is raised
                     self._stop_decoding(s)
                     if not _replica_lost(exc):

@@ -81,6 +81,7 @@ class Speculation:
     drafting: bool = True  # False: the target alone (a remote draft session lost with a recovered verify replica)
     draft_replica: str = ""  # the draft stage replica holding session ``draft_sid``; "" = this replica's own drafter
     draft_sid: str = ""
+    tree_width: int = 1  # > 1: greedy steps draft trees (services.tree)
 
 
 @dataclass
@@ -297,12 +298,12 @@ class Draft(_Stage):
         return SessionOpened(*_identity())
 
     async def propose(self, request_id: str, k: int, accepts: tuple | list = (), forced: tuple | list = (),
-                      guesses: int = 0) -> DraftProposal:
+                      guesses: int = 0, width: int = 1) -> DraftProposal:
         """Accept the verdicts since the last proposal (each ``(n_matches, next_token, features)``), then draft k tokens
         after ``forced`` ones — with ``guesses``, a block of k per likely verdict on them (the block the verifier is
         checking meanwhile: pre-drafting, services.loop)."""
         await self.faults.point("propose")
-        return await self.batcher.submit(ProposeCall(request_id, k, list(forced), guesses, list(accepts)))
+        return await self.batcher.submit(ProposeCall(request_id, k, list(forced), guesses, list(accepts), width))
 
     async def _propose_pass(self, calls: list[ProposeCall]) -> list:
         return await self._run(self.engine.propose_batch, calls)
@@ -432,9 +433,10 @@ class Verify(_Stage):
             try:
                 if local:
                     return await self.draft_batcher.submit(ProposeCall(request_id, p.k, list(p.forced), p.guesses,
-                                                                       list(p.accepts)))
-                return await asyncio.wait_for(remote.propose.remote(spec.draft_sid, p.k, p.accepts, p.forced, p.guesses),
-                                              timeout=self.config.limits.stage_timeout_s)
+                                                                       list(p.accepts), p.width))
+                return await asyncio.wait_for(
+                    remote.propose.remote(spec.draft_sid, p.k, p.accepts, p.forced, p.guesses, p.width),
+                    timeout=self.config.limits.stage_timeout_s)
             except Exception as exc:  # noqa: BLE001 - a draft failure: go on with the target alone
                 cause = unwrap(exc)
                 if not isinstance(cause, DRAFT_FAILURES + (asyncio.TimeoutError,)):
@@ -444,7 +446,8 @@ class Verify(_Stage):
 
         async def verify(v):
             await self.faults.point("verify")
-            return await self.batcher.submit(VerifyCall(request_id, list(v.draft_ids), v.probs))
+            return await self.batcher.submit(VerifyCall(request_id, list(v.draft_ids), v.probs,
+                                                        tree_parents=tuple(v.parents) if v.parents else None))
 
         try:
             yield await self.open(request_id, handoff, params, features)
@@ -463,10 +466,10 @@ class Verify(_Stage):
             if spec.adaptive and drafting:
                 policy = AdaptiveK(self.costs[spec.drafter], self.acceptance[spec.drafter], k_max=spec.num_draft_tokens,
                                    load=lambda: len(self.engine.sessions),
-                                   max_load=self.config.speculation.off_above_concurrency)
+                                   max_load=self.config.speculation.off_above_concurrency, width=spec.tree_width)
             loop = SpeculativeLoop(first_token, max_new_tokens=spec.max_new_tokens,
                                    eos=set(spec.eos), num_draft_tokens=spec.num_draft_tokens, drafting=drafting,
-                                   policy=policy)
+                                   policy=policy, tree_width=spec.tree_width)
             results = None
             while (item := loop.advance(results)) is not None:
                 if isinstance(item, StepOutput):
@@ -502,10 +505,12 @@ class Verify(_Stage):
         self.opened += 1
         return SessionOpened(*_identity(), handoff_ms=handoff_ms, resolved_bytes=payload.nbytes)
 
-    async def verify(self, request_id: str, draft_ids: list[int], draft_probs=None) -> VerifyResult:
-        """Joins the next target pass with the other sessions' verify calls (continuous batching)."""
+    async def verify(self, request_id: str, draft_ids: list[int], draft_probs=None, tree_parents=None) -> VerifyResult:
+        """Joins the next target pass with the other sessions' verify calls (continuous batching); ``tree_parents``:
+        the drafts are a tree (services.tree)."""
         await self.faults.point("verify")
-        return await self.batcher.submit(VerifyCall(request_id, list(draft_ids), draft_probs))
+        return await self.batcher.submit(VerifyCall(request_id, list(draft_ids), draft_probs,
+                                                    tree_parents=tuple(tree_parents) if tree_parents else None))
 
     async def _verify_pass(self, calls: list[VerifyCall]) -> list:
         return await self._run(self.engine.verify_batch, calls)

@@ -32,6 +32,7 @@ from services.prompt_lookup import find_candidates
 from services.runner import make_runner
 from services.sampling import SamplingParams, logits_to_probs, make_generator, sample
 from services.sessions import DEFAULT_MAX_KV_BYTES, DEFAULT_MAX_SESSIONS, SessionStore
+from services.tree import MAX_TREE_WIDTH, side_ids, with_sides
 from services.validation import MAX_DRAFT_TOKENS, validate_num_draft_tokens, validate_prompt
 
 DRAFT_STREAM = 1  # random stream of draft samples (see sampling.make_generator)
@@ -58,6 +59,7 @@ class DraftProposal:
     token_ids: list[int]  # [k'] with k' <= k (prompt lookup may find fewer)
     probs: torch.Tensor | None  # [k', vocab_size] draft distributions q; None = one-hot
     branches: list[Branch] = field(default_factory=list)  # pre_draft's, most likely verdict first
+    parents: list[int] | None = None  # the tokens as a draft tree (services.tree): the chain, then side nodes
 
 
 def guess_order(logits: torch.Tensor, width: int, exclude: int | None = None) -> list[int]:
@@ -93,6 +95,7 @@ class ProposeCall:
     forced: Sequence[int] = ()
     guesses: int = 0
     accepts: Sequence[tuple] = ()  # the verdicts since the last proposal: (n_matches, next_token, features)
+    width: int = 1  # > 1: a draft tree, the chain and width - 1 side nodes at each depth (greedy only; services.tree)
 
     @property
     def rows(self) -> int:
@@ -118,12 +121,17 @@ class ModelDraftSession:
     def propose(self, k: int, forced: Sequence[int] = ()) -> DraftProposal:
         return self._alone(self.propose_steps(k, forced))
 
-    def propose_steps(self, k: int, forced: Sequence[int] = ()):
+    def propose_steps(self, k: int, forced: Sequence[int] = (), width: int = 1):
         """``propose`` as a generator of ``Forward`` chunks, sent their logits (DraftEngine.propose_batch batches
-        several sessions' chunks into one pass); its return value is the proposal."""
+        several sessions' chunks into one pass); its return value is the proposal (a tree with ``width`` > 1)."""
         # the cache always lags the context by >= 1 token, so there are logits to sample from
-        token_ids, probs = yield from self._sample_chain(torch.tensor(self.tokens[self.cache.seq_len :] + list(forced)), k)
+        sides = [] if width > 1 and self.params.greedy else None
+        uncached = torch.tensor(self.tokens[self.cache.seq_len :] + list(forced))
+        token_ids, probs = yield from self._sample_chain(uncached, k, sides, width)
         self.proposal = list(forced) + token_ids
+        if sides:
+            tree_ids, parents = with_sides(token_ids, sides)
+            return DraftProposal(tree_ids, None, parents=parents)
         return DraftProposal(token_ids, probs)
 
     def _alone(self, steps):
@@ -146,13 +154,16 @@ class ModelDraftSession:
         self.proposal = forced
         return DraftProposal([], None, branches)
 
-    def _sample_chain(self, uncached: torch.Tensor, k: int):
-        """k tokens, each from the logits of a forward pass over the uncached tokens (a generator of Forward)."""
+    def _sample_chain(self, uncached: torch.Tensor, k: int, sides: list | None = None, width: int = 1):
+        """k tokens, each from the logits of a forward pass over the uncached tokens (a generator of Forward);
+        ``sides`` (greedy): filled with each depth's next ``width - 1`` most likely ids."""
         token_ids, q_rows = [], []
         for _ in range(k):
             logits = yield Forward(uncached, self.cache)  # [1, vocab_size]
             if self.params.greedy:  # q is one-hot at the argmax: no need to build it
                 x = logits.argmax(dim=-1)  # [1]
+                if sides is not None:
+                    sides.append(side_ids(logits[0], width, int(x[0])))
             else:
                 q = logits_to_probs(logits, self.params)  # [1, vocab_size]
                 x = sample(q, self.generator)  # [1]
@@ -274,11 +285,12 @@ class DraftEngine:
         self.sessions.put(request_id, ModelDraftSession(self.runner, ids, params, generator, cache))
 
     def propose(self, request_id: str, k: int, forced: Sequence[int] = (), guesses: int = 0,
-                accepts: Sequence[tuple] = ()) -> DraftProposal:
+                accepts: Sequence[tuple] = (), width: int = 1) -> DraftProposal:
         """Draft k tokens after the accepted context, or after ``forced`` tokens that follow it (taken as drafted);
         with ``guesses``, one block of k per likely verdict on the forced tokens instead (``DraftProposal.branches``).
-        ``accepts``: the verdicts since the last proposal, each ``(n_matches, next_token, features)``, accepted first."""
-        (result,) = self.propose_batch([ProposeCall(request_id, k, forced, guesses, accepts)])
+        ``accepts``: the verdicts since the last proposal, each ``(n_matches, next_token, features)``, accepted first.
+        ``width`` > 1: a greedy session's model or EAGLE drafter proposes a draft tree (services.tree; others a chain)."""
+        (result,) = self.propose_batch([ProposeCall(request_id, k, forced, guesses, accepts, width)])
         if isinstance(result, Exception):
             raise result
         return result
@@ -306,7 +318,7 @@ class DraftEngine:
                 elif isinstance(session, PromptLookupSession) or call.guesses:  # no model, or a model pre-draft: alone
                     results[slot] = session.pre_draft(call.k, forced, call.guesses) if call.guesses else session.propose(call.k, forced)
                 else:
-                    steps[slot] = session.propose_steps(call.k, forced)
+                    steps[slot] = session.propose_steps(call.k, forced, call.width)
             except Exception as exc:  # noqa: BLE001 - this call's error, in its slot
                 results[slot] = exc
         self._lockstep(steps, results)
@@ -324,6 +336,8 @@ class DraftEngine:
             raise InvalidRequestError(f"forced draft tokens must be at most {MAX_DRAFT_TOKENS} ids in [0, {self.vocab_size})")
         if not 0 <= call.guesses <= MAX_GUESSES:
             raise InvalidRequestError(f"guesses must be in [0, {MAX_GUESSES}], got {call.guesses}")
+        if not 1 <= call.width <= MAX_TREE_WIDTH or (call.width > 1 and call.guesses):
+            raise InvalidRequestError(f"a draft tree's width must be in [1, {MAX_TREE_WIDTH}], and 1 when pre-drafting")
         return self.sessions.get(call.request_id), forced
 
     def _forward(self, chunks: list[Forward]) -> list[torch.Tensor]:  # -> per chunk [1, vocab_size]

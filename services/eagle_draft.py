@@ -29,6 +29,7 @@ from services.errors import InvalidRequestError
 from services.loading import LoadedModel
 from services.models import eagle
 from services.sampling import SamplingParams, logits_to_probs, sample
+from services.tree import side_ids, with_sides
 
 logger = logging.getLogger(__name__)
 
@@ -103,9 +104,10 @@ class EagleDraftSession:
     def pre_draft(self, k: int, forced: Sequence[int], guesses: int):
         return eagle.run_alone(self.pre_draft_steps(k, forced, guesses))
 
-    def propose_steps(self, k: int, forced: Sequence[int] = ()):
+    def propose_steps(self, k: int, forced: Sequence[int] = (), width: int = 1):
         """``propose`` as a generator: it yields the head's ``Rows`` and is sent their logits, so that a draft
-        engine can run several sessions' steps in one pass (eagle.run_rows); its return value is the proposal."""
+        engine can run several sessions' steps in one pass (eagle.run_rows); its return value is the proposal.
+        ``width`` > 1 (greedy): a draft tree, the chain and each depth's next ``width - 1`` ids (services.tree)."""
         from services.draft import DraftProposal
 
         yield from self._catch_up()
@@ -113,8 +115,12 @@ class EagleDraftSession:
         self.state.chain_len, self.state.g = 0, self.context_g  # a new chain from the accepted context
         for x in forced:  # through the block being verified, on the head's own predicted features
             logits = yield self.state.chain_rows(x)
-        token_ids, probs = yield from self._sample_chain(logits, k)
+        sides = [] if width > 1 and self.params.greedy else None
+        token_ids, probs = yield from self._sample_chain(logits, k, sides, width)
         self.proposal = list(forced) + token_ids
+        if sides:
+            tree_ids, parents = with_sides(token_ids, sides)
+            return DraftProposal(tree_ids, None, parents=parents)
         return DraftProposal(token_ids, probs)  # q: [k, vocab_size]
 
     def pre_draft_steps(self, k: int, forced: Sequence[int], guesses: int):
@@ -136,12 +142,15 @@ class EagleDraftSession:
         self.proposal = list(forced)
         return DraftProposal([], None, sorted(branches, key=lambda b: -b.n_matches))
 
-    def _sample_chain(self, logits: torch.Tensor, k: int):
-        """k tokens sampled from the chain, starting from ``logits`` [N] over the kept ids (a generator of Rows)."""
+    def _sample_chain(self, logits: torch.Tensor, k: int, sides: list | None = None, width: int = 1):
+        """k tokens sampled from the chain, starting from ``logits`` [N] over the kept ids (a generator of Rows);
+        ``sides`` (greedy): filled with each depth's next ``width - 1`` most likely ids."""
         kept, token_ids, q_rows = self.head.kept_ids, [], []
         for i in range(k):
             if self.params.greedy:
                 x = int(kept[logits.argmax()])
+                if sides is not None:
+                    sides.append([int(kept[j]) for j in side_ids(logits, width, int(logits.argmax()))])
             else:
                 q = logits_to_probs(scatter_kept(logits[None], kept, self.vocab_size), self.params)  # [1, vocab_size]
                 x = int(sample(q, self.generator)[0])

@@ -137,6 +137,14 @@ class DenseKVCache:
             raise ValueError(f"cannot crop a cache of {self.seq_len} positions to {length}")
         self.seq_len = length
 
+    def keep(self, start: int, rows: list[int]) -> None:
+        """Keep positions ``start + r`` for r in ``rows`` (ascending, r >= its index) as positions start, start + 1, ..
+        and crop after them: a draft tree's accepted path becomes the sequence."""
+        for j, r in enumerate(rows):
+            if r != j:
+                self.buffer[:, :, :, start + j] = self.buffer[:, :, :, start + r]
+        self.crop(start + len(rows))
+
     def export(self, fingerprint: str) -> KVPayload:
         view = self.buffer[:, :, :, : self.seq_len]  # [layers, 2, kv_heads, seq_len, head_dim]
         keys = [to_numpy(view[i, 0]) for i in range(view.shape[0])]
@@ -147,6 +155,8 @@ class DenseKVCache:
 
 class FastLlamaRunner:
     """Forward passes of a Llama model against ``DenseKVCache``s (same interface as ``ModelRunner``)."""
+
+    supports_trees = True  # forward_batch takes draft trees (services.tree)
 
     def __init__(self, loaded, *, kept_ids: torch.Tensor | None = None):  # kept_ids: [N] ascending, None = full head
         self.loaded = loaded
@@ -233,14 +243,17 @@ class FastLlamaRunner:
         chunks: list[tuple[torch.Tensor, DenseKVCache]],  # per sequence: its new tokens [n_i] and its own KV
         *,
         last_only: bool = False,
+        trees: list | None = None,  # per chunk: a services.tree.DraftTree over its rows, or None (a sequence)
     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:  # per sequence: logits [n_i or 1, vocab_size], features [n_i, hidden]
         """One pass over several sequences' chunks (ragged rows): every weight is read once for all of them.
 
         Each sequence attends only to its own KV; a row's logits are what ``forward`` gives for its chunk alone.
-        ``last_only``: logits of each chunk's last row only (prefill).
+        ``last_only``: logits of each chunk's last row only (prefill). A chunk with a tree: each row attends to the
+        cached KV and its own ancestors, at the position of its depth (its K/V are appended in row order; keep the
+        accepted path with ``DenseKVCache.keep``).
         """
         sizes = [ids.shape[0] for ids, _ in chunks]
-        features = self._rms_norm(self._layers(chunks), self.norm)  # [N, hidden], N = sum(sizes)
+        features = self._rms_norm(self._layers(chunks, trees), self.norm)  # [N, hidden], N = sum(sizes)
         per_chunk = list(features.split(sizes))
         if last_only:
             logits = self._head(torch.cat([f[-1:] for f in per_chunk]))  # [chunks, vocab_size]
@@ -252,7 +265,7 @@ class FastLlamaRunner:
         logits = self.head(features).float()  # [m, N kept or vocab_size]
         return logits if self.kept_ids is None else scatter_kept(logits, self.kept_ids, self.vocab_size)
 
-    def _layers(self, chunks: list[tuple[torch.Tensor, DenseKVCache]]) -> torch.Tensor:  # -> [N, hidden] before the final norm
+    def _layers(self, chunks: list[tuple[torch.Tensor, DenseKVCache]], trees: list | None = None) -> torch.Tensor:  # -> [N, hidden] before the final norm
         """The decoder layers over the rows of every chunk; appends each chunk's K/V to its cache.
 
         A short chunk (``kernels.DECODE_ATTENTION_MAX_ROWS``: verify blocks, draft steps) attends through the
@@ -263,20 +276,26 @@ class FastLlamaRunner:
         attend = kernels.decode_attention() if self.dtype == torch.float32 else None
         spans = []  # per chunk taking SDPA: (row offset, rows, first position, its cache, its causal mask)
         short_caches, short_offsets, short_sizes, short_starts = [], [], [], []  # the chunks taking decode_attention
+        short_parents = []  # per such chunk: its rows' parent rows if it is a draft tree, else []
         positions = []  # per chunk: its rows' positions
         offset = 0
-        for input_ids, cache in chunks:
+        for c, (input_ids, cache) in enumerate(chunks):
             n, start = input_ids.shape[0], cache.seq_len
             cache.reserve(start + n)
-            positions.append(torch.arange(start, start + n))
+            tree = trees[c] if trees is not None else None
+            # a tree's rows sit at their depth's position, each seeing the cache and its ancestors
+            positions.append(start + torch.tensor(tree.depths()) if tree is not None else torch.arange(start, start + n))
             if attend is not None and n <= kernels.DECODE_ATTENTION_MAX_ROWS:
                 short_caches.append(cache.buffer)
                 short_offsets.append(offset)
                 short_sizes.append(n)
                 short_starts.append(start)
+                short_parents.append([-1, *tree.parents] if tree is not None else [])
             else:
                 mask = None
-                if n > 1:  # causal over the new positions; all cached positions visible
+                if tree is not None:
+                    mask = torch.cat([torch.ones(n, start, dtype=torch.bool), tree.ancestors()], dim=1)  # [n, start + n]
+                elif n > 1:  # causal over the new positions; all cached positions visible
                     mask = torch.ones(n, start + n, dtype=torch.bool).tril_(diagonal=start)
                 spans.append((offset, n, start, cache, mask))
             offset += n
@@ -291,7 +310,8 @@ class FastLlamaRunner:
             q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
             out = x.new_empty(total, h * d)  # [N, h * d]: every chunk's attention output
             if short_caches:
-                attend(out, q, k, v, short_caches, short_offsets, short_sizes, short_starts, i, self.scaling)
+                attend(out, q, k, v, short_caches, short_offsets, short_sizes, short_starts, i, self.scaling,
+                       short_parents)
             for offset, n, start, cache, mask in spans:
                 end = start + n
                 cache.buffer[i, 0, :, start:end] = k[:, offset : offset + n]

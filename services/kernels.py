@@ -93,12 +93,14 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:  # [out, in] -> [ceil(out
 
 
 def decode_attention():
-    """``(out, q, k, v, caches, offsets, sizes, starts, layer, scale) -> None``, or None if unavailable.
+    """``(out, q, k, v, caches, offsets, sizes, starts, layer, scale, parents=[]) -> None``, or None if unavailable.
 
     ``q [h, N, d]``, ``k`` / ``v`` ``[h_kv, N, d]`` (roped, last dimension contiguous) hold the rows of several
     chunks; chunk c's rows ``offsets[c] .. + sizes[c]`` go to positions ``starts[c] ..`` of ``caches[c]``
     (``[layers, 2, h_kv, capacity, d]``, float32) at ``layer``, and attend causally to it; ``out [N, h * d]`` gets
-    their rows.
+    their rows. ``parents[c]``, if given and not empty, makes chunk c a draft tree (services.tree): each row's
+    parent row (-1 for the first), and a row attends to the cache, its ancestors and itself — bit for bit as the
+    same tokens decoded as a sequence would.
     """
     module = _kernels()
     return None if module is None else module.decode_attention

@@ -135,12 +135,14 @@ class Propose:
     accepts: list[Accept]
     forced: list[int] = field(default_factory=list)
     guesses: int = 0  # > 0: pre-draft, a block of k per likely verdict on ``forced`` (DraftProposal.branches)
+    width: int = 1  # > 1: a draft tree of k levels, ``width`` candidates each (services.tree)
 
 
 @dataclass
 class Verify:
     draft_ids: list[int]
     probs: torch.Tensor | None  # [len(draft_ids), vocab_size] q; None = one-hot
+    parents: list[int] | None = None  # the drafts as a tree (services.tree); None = a chain
 
 
 @dataclass
@@ -165,7 +167,7 @@ class SpeculativeLoop:
 
     def __init__(self, first_token: int, *, max_new_tokens: int, eos: set[int], num_draft_tokens: int,
                  drafting: bool, policy: AdaptiveK | None = None, overlap: bool = False, guesses: int = 1,
-                 stats: SpeculationStats | None = None):
+                 stats: SpeculationStats | None = None, tree_width: int = 1):
         self.first_token = first_token
         self.max_new_tokens = max_new_tokens
         self.eos = eos
@@ -174,6 +176,7 @@ class SpeculativeLoop:
         self.policy = policy
         self.overlap = overlap
         self.guesses = guesses  # top guesses of the target's next token that a pre-draft drafts a block after
+        self.tree_width = tree_width  # > 1: each step drafts a tree, the chain and width - 1 side nodes a level
         self.stats = stats if stats is not None else SpeculationStats()  # filled as the loop runs
         self._steps = None
         self._resume = False
@@ -194,7 +197,7 @@ class SpeculativeLoop:
 
     def run(self) -> Generator[StepOutput | Calls, Results | None, None]:
         accepts = [Accept(0, self.first_token)]  # verdicts the drafter has not seen: it continues from prefill's token
-        block, block_probs = [], None  # the next block to verify: pre-drafted on a hit
+        block, block_probs, parents = [], None, None  # the next block to verify: pre-drafted on a hit; its tree
         generated, step = 0, StepOutput([self.first_token])
         caught_up = False  # the drafter had seen every verdict but the last at its last proposal (not so at first: the prompt)
         step_start, calls_s = 0.0, None  # when the last step began; seconds of its stage calls (None: not timed)
@@ -205,6 +208,7 @@ class SpeculativeLoop:
                 return
             if self._resume and not self.drafting:  # a fresh draft session: it continues from the last token
                 self.drafting, accepts, block, block_probs, caught_up = True, [Accept(0, step.token_ids[-1])], [], None, False
+                parents = None
             self._resume = False
             remaining = self.max_new_tokens - generated
             now = time.perf_counter()
@@ -221,9 +225,9 @@ class SpeculativeLoop:
                     pre_draft = Propose(k_after, accepts, list(block), self.guesses)
             elif self.drafting:
                 k = self._choose_k(remaining)
-                block, block_probs = [], None
+                block, block_probs, parents = [], None, None
                 if k > 0:
-                    results = yield Calls(propose=Propose(k, accepts))
+                    results = yield Calls(propose=Propose(k, accepts, width=self.tree_width))
                     calls_s += results.propose_s
                     if results.draft_failed:
                         self.drafting = False
@@ -231,23 +235,25 @@ class SpeculativeLoop:
                         if caught_up and self.policy is not None:  # otherwise the call also caught the drafter up
                             self.policy.costs.observe_propose(k, results.propose_s)
                         block, block_probs = results.proposal.token_ids, results.proposal.probs
+                        parents = results.proposal.parents
                         accepts = []
                 caught_up = k > 0
-            results = yield Calls(propose=pre_draft, verify=Verify(block, block_probs))
+            results = yield Calls(propose=pre_draft, verify=Verify(block, block_probs, parents))
             calls_s = None if pre_draft is not None else calls_s + results.verify_s  # overlapped calls: not comparable
             verdict = results.verdict
+            chain = len(block) if parents is None else chain_length(parents)  # the block's depth
             if self.policy is not None:
                 self.policy.costs.observe_verify(len(block) + 1, results.verify_s)
-                self.policy.observe(len(block), verdict.n_matches)
+                self.policy.observe(chain, verdict.n_matches)
             if results.draft_failed:
                 self.drafting = False
             if self.drafting:  # the drafter catches up with this verdict at its next proposal
                 if pre_draft is not None:
                     accepts = []
-                accepts.append(Accept(verdict.n_matches, verdict.token_ids[-1], verdict.features))
+                accepts += drafter_accepts(verdict, chain)
             step = StepOutput(verdict.token_ids, len(block), verdict.n_matches, verdict.accepted)
             self.stats.add(step)
-            block, block_probs = [], None
+            block, block_probs, parents = [], None, None
             if pre_draft is not None and self.drafting:
                 self.stats.pre_drafts += 1
                 branch = next((b for b in results.proposal.branches
@@ -260,6 +266,21 @@ class SpeculativeLoop:
         if self.policy is not None:
             return self.policy.choose(remaining)
         return min(self.num_draft_tokens, remaining - 1)
+
+
+def chain_length(parents: Sequence[int]) -> int:
+    """The chain at the front of a draft tree (services.tree.with_sides): nodes whose parent is the row before."""
+    return next((i for i, p in enumerate(parents) if p != i), len(parents))
+
+
+def drafter_accepts(verdict: VerifyResult, chain: int) -> list[Accept]:
+    """The verdict as the drafter takes it. Its proposal was the chain: a tree's path that ends on a side node s is
+    the chain's first m tokens, then s in place of the next one, then the bonus token after s."""
+    if not verdict.path or verdict.path[-1] <= chain:  # a chain, or a path along the tree's chain
+        return [Accept(verdict.n_matches, verdict.token_ids[-1], verdict.features)]
+    m, features = verdict.n_matches - 1, verdict.features
+    return [Accept(m, verdict.token_ids[-2], features[: m + 1] if features is not None else None),
+            Accept(0, verdict.token_ids[-1], features[m + 1 :] if features is not None else None)]
 
 
 def finish_step(step: StepOutput, generated: int, max_new_tokens: int, eos: set[int]) -> tuple[StepOutput, int]:
@@ -294,13 +315,15 @@ def speculative_decode(
     overlap: bool = False,
     guesses: int | None = None,
     stats: SpeculationStats | None = None,
+    tree_width: int = 1,
 ) -> Iterator[StepOutput]:
     """Yield each step's new tokens until EOS or ``max_new_tokens``. ``draft=None`` turns speculation off.
 
     ``policy`` picks k for every step (0 included; services.policy) from the costs it measures here; without one,
     k is ``num_draft_tokens`` throughout. With ``overlap`` the drafter pre-drafts in a second thread while the
     target verifies (torch releases the GIL in its kernels), ``guesses`` of the target's next token each (default:
-    ``PRE_DRAFT_GUESSES`` of the drafter). ``stats``, if given, is filled as the loop runs.
+    ``PRE_DRAFT_GUESSES`` of the drafter). ``stats``, if given, is filled as the loop runs. ``tree_width`` > 1: a
+    greedy request drafts trees (services.tree).
     """
     request_id = request_id or uuid.uuid4().hex
     target = prefill.target
@@ -320,7 +343,8 @@ def speculative_decode(
         verify.open(request_id, result.payload, result.first_token, params, features=features)
         loop = SpeculativeLoop(result.first_token, max_new_tokens=max_new_tokens, eos=target.eos_token_ids,
                                num_draft_tokens=num_draft_tokens, drafting=draft is not None, policy=policy,
-                               overlap=overlap, guesses=guesses or PRE_DRAFT_GUESSES[drafter], stats=stats)
+                               overlap=overlap, guesses=guesses or PRE_DRAFT_GUESSES[drafter], stats=stats,
+                               tree_width=tree_width if params.greedy and not overlap else 1)
         yield from drive(loop, draft, verify, request_id, pool)
     finally:
         if pool is not None:
@@ -348,7 +372,7 @@ def _execute(calls: Calls, draft: DraftEngine, verify: VerifyEngine, request_id:
     def propose():
         start = time.perf_counter()
         p = calls.propose
-        results.proposal = draft.propose(request_id, p.k, p.forced, p.guesses, p.accepts)
+        results.proposal = draft.propose(request_id, p.k, p.forced, p.guesses, p.accepts, p.width)
         results.propose_s = time.perf_counter() - start
 
     drafting = None
@@ -359,7 +383,8 @@ def _execute(calls: Calls, draft: DraftEngine, verify: VerifyEngine, request_id:
             propose()
     if calls.verify is not None:
         start = time.perf_counter()
-        results.verdict = verify.verify(request_id, calls.verify.draft_ids, calls.verify.probs)
+        results.verdict = verify.verify(request_id, calls.verify.draft_ids, calls.verify.probs,
+                                        tree_parents=calls.verify.parents)
         results.verify_s = time.perf_counter() - start
     if drafting is not None:
         drafting.result()

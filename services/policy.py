@@ -9,6 +9,9 @@ and costs, as the driver measures it (seconds, moving averages),
 
     T(k) = verify(k + 1) + [k > 0] propose(k) + overhead
 
+(a request that drafts trees of width w, services.tree: verify(1 + k w), and
+a_j is the acceptance of any of depth j's w candidates)
+
 where ``propose`` includes whatever the driver pays to reach the drafter (a
 Ray call in the graph, nothing in-process) and ``overhead`` is what every
 step pays besides the stage calls (the driver's own work, sending the tokens
@@ -117,9 +120,9 @@ class CostModel:
     def propose(self, k: int) -> float | None:
         return _extrapolate(self.propose_s, k, lambda m: m)  # hop + k draft tokens: linear in k is pessimistic for k > near
 
-    def step(self, k: int) -> float | None:
-        """T(k): seconds of a step that drafts k tokens."""
-        verify = self.verify(k + 1)
+    def step(self, k: int, rows: int | None = None) -> float | None:
+        """T(k): seconds of a step that drafts k tokens (a tree of k levels: ``rows`` in its verify pass)."""
+        verify = self.verify(rows or k + 1)
         if verify is None:
             return None
         if k == 0:
@@ -153,6 +156,7 @@ class AdaptiveK:
     probe_interval: int = 0  # steps at k = 0 before the next probe (starts at probe_every)
     load: Callable[[], int] | None = None  # requests the driver is serving now, this one included
     max_load: int = 0  # above this load, k = 0: the verifier batches sessions' rows instead (0 = no limit)
+    width: int = 1  # the request drafts trees of this width (services.tree): a step of k verifies 1 + k * width rows
 
     def __post_init__(self):
         self.probe_interval = self.probe_interval or self.probe_every
@@ -181,7 +185,7 @@ class AdaptiveK:
     def _best(self, k_max: int) -> int:
         """The k in 0 .. k_max with the most tokens per second, E(k) / T(k); k > 0 must beat k = 0 by ``margin``."""
         gains = expected_tokens([self.counts.rate(j, self.prior) for j in range(k_max)])
-        rate = {k: gains[k] / t for k in range(k_max + 1) if (t := self.costs.step(k)) is not None}
+        rate = {k: gains[k] / t for k in range(k_max + 1) if (t := self._step(k)) is not None}
         best = max(rate, key=rate.get)
         return best if best > 0 and rate[best] >= rate[0] * (1 + self.margin) else 0
 
@@ -199,7 +203,10 @@ class AdaptiveK:
         if self.costs.off_step_s is None:
             return True
         gains = expected_tokens([self.counts.rate(j, self.prior) for j in range(best)])
-        return gains[best] / self.costs.step(best) >= (1 + self.margin) / self.costs.off_step_s
+        return gains[best] / self._step(best) >= (1 + self.margin) / self.costs.off_step_s
+
+    def _step(self, k: int) -> float | None:
+        return self.costs.step(k, 1 + k * self.width)
 
     @property
     def overloaded(self) -> bool:

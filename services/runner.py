@@ -26,6 +26,8 @@ from services.loading import LoadedModel
 class ModelRunner:
     """Generic path: transformers' forward with a ``DynamicCache``."""
 
+    supports_trees = False  # verify blocks are chains here (services.tree needs the compact forward)
+
     def __init__(self, loaded: LoadedModel, *, kept_ids: torch.Tensor | None = None):  # kept_ids: [N], None = full head
         self.loaded = loaded
         self.model = loaded.model

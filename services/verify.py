@@ -13,6 +13,7 @@ from services.prefill import FEATURE_DTYPE
 from services.runner import make_runner
 from services.sampling import SamplingParams, greedy_verify, logits_to_probs, make_generator, speculative_sample
 from services.sessions import DEFAULT_MAX_KV_BYTES, DEFAULT_MAX_SESSIONS, SessionStore
+from services.tree import DraftTree
 from services.validation import MAX_DRAFT_TOKENS
 
 VERIFY_STREAM = 2  # random stream of accept/reject draws (see sampling.make_generator)
@@ -44,6 +45,7 @@ class VerifyCall:
     draft_token_ids: list[int]  # [k]
     draft_probs: torch.Tensor | None = None  # [k, vocab_size]; None = one-hot (greedy or deterministic drafter)
     params: SamplingParams | None = None  # default: the session's; must be what the drafter used
+    tree_parents: tuple[int, ...] | None = None  # the drafts as a tree (services.tree; greedy only); None = a chain
 
     @property
     def rows(self) -> int:
@@ -57,6 +59,7 @@ class VerifyResult:
     n_matches: int  # accepted draft tokens
     accepted: list[bool]  # per draft position
     features: torch.Tensor | None = None  # [n_matches + 1, hidden] bf16: features of the pending token and the accepted drafts
+    path: list[int] | None = None  # a tree's accepted rows (services.tree: row i = draft i - 1); None for a chain
 
 
 class VerifyEngine:
@@ -85,9 +88,10 @@ class VerifyEngine:
         draft_token_ids: list[int],  # [k]
         draft_probs: torch.Tensor | None = None,  # [k, vocab_size]; None = one-hot (greedy or deterministic drafter)
         params: SamplingParams | None = None,  # default: the session's; must be what the drafter used
+        tree_parents: tuple[int, ...] | None = None,  # the drafts as a tree (services.tree); None = a chain
     ) -> VerifyResult:
-        """Score ``pending + draft`` in one pass, accept a prefix, roll back the rest."""
-        (result,) = self.verify_batch([VerifyCall(request_id, draft_token_ids, draft_probs, params)])
+        """Score ``pending + draft`` in one pass, accept a prefix (a tree: a path), roll back the rest."""
+        (result,) = self.verify_batch([VerifyCall(request_id, draft_token_ids, draft_probs, params, tree_parents)])
         if isinstance(result, Exception):
             raise result
         return result
@@ -100,10 +104,10 @@ class VerifyEngine:
         gets its error in its slot; the others go on.
         """
         results: list[VerifyResult | Exception | None] = [None] * len(calls)
-        checked = []  # (slot, call, session, draft [k])
+        checked = []  # (slot, call, session, draft [k], tree or None)
         for slot, call in enumerate(calls):
             try:
-                if any(call.request_id == other.request_id for _, other, _, _ in checked):
+                if any(call.request_id == other.request_id for _, other, *_ in checked):
                     raise InvalidRequestError(f"session {call.request_id!r} got two verify calls in one pass")
                 checked.append((slot, call, *self._check(call)))
             except Exception as exc:  # typed errors (services.errors) for the caller of that slot
@@ -111,11 +115,22 @@ class VerifyEngine:
         if not checked:
             return results
         # 1. one target pass over every session's [pending, d_1 .. d_k] gives its p_1 .. p_{k+1}
-        chunks = [(torch.cat([torch.tensor([session.pending]), draft]), session.cache) for _, _, session, draft in checked]
-        starts = [session.cache.seq_len for _, _, session, _ in checked]
-        all_logits, all_features = self.runner.forward_batch(chunks)  # per session: [k + 1, V], [k + 1, hidden]
-        for (slot, call, session, draft), start, logits, features in zip(checked, starts, all_logits, all_features):
-            # 2. exact accept / reject (services.sampling)
+        chunks = [(torch.cat([torch.tensor([session.pending]), draft]), session.cache) for _, _, session, draft, _ in checked]
+        starts = [session.cache.seq_len for _, _, session, _, _ in checked]
+        trees = [tree for *_, tree in checked]
+        all_logits, all_features = self.runner.forward_batch(  # per session: [k + 1, V], [k + 1, hidden]
+            chunks, **({"trees": trees} if any(trees) else {}))
+        for (slot, call, session, draft, tree), start, logits, features in zip(checked, starts, all_logits, all_features):
+            # 2. exact accept / reject (services.sampling); a tree: the target's greedy path through it
+            if tree is not None:
+                path, bonus = tree.greedy_walk(draft, logits)
+                depth = max(tree.depths())
+                session.cache.keep(start, [0] + path)  # pending + the accepted path, in sequence
+                session.pending = bonus
+                accepted_features = features[[0] + path].to(FEATURE_DTYPE) if session.features else None
+                results[slot] = VerifyResult([int(draft[r - 1]) for r in path] + [bonus], len(path),
+                                             [True] * len(path) + [False] * (depth - len(path)), accepted_features, path)
+                continue
             if session.params.greedy:
                 result = greedy_verify(draft, logits)
             else:
@@ -129,11 +144,11 @@ class VerifyEngine:
             if session.features:
                 accepted_features = features[: 1 + result.n_matches].to(FEATURE_DTYPE)  # [n_matches + 1, hidden]
             results[slot] = VerifyResult(result.token_ids, result.n_matches, result.accepted, accepted_features)
-        for _, call, _, _ in checked:
+        for _, call, *_ in checked:
             self.sessions.enforce_limits(keep=call.request_id)
         return results
 
-    def _check(self, call: VerifyCall) -> tuple[VerifySession, torch.Tensor]:  # -> the session, draft ids [k]
+    def _check(self, call: VerifyCall) -> tuple[VerifySession, torch.Tensor, DraftTree | None]:  # draft ids [k]
         session = self.sessions.get(call.request_id)
         k = len(call.draft_token_ids)
         if k > MAX_DRAFT_TOKENS:
@@ -150,7 +165,16 @@ class VerifyEngine:
             )
         if call.params is not None:
             session.params = call.params.validate()
-        return session, draft
+        tree = None
+        if call.tree_parents is not None:
+            tree = DraftTree.checked(call.tree_parents, k)
+            if tree.is_chain:
+                tree = None
+            elif not session.params.greedy:
+                raise InvalidRequestError("draft trees are verified greedily: a sampled request drafts a chain")
+            elif not getattr(self.runner, "supports_trees", False):
+                raise InvalidRequestError("this target's forward takes no draft trees (the compact Llama forward does)")
+        return session, draft, tree
 
     def close(self, request_id: str) -> None:
         self.sessions.pop(request_id)

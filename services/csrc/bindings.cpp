@@ -8,7 +8,7 @@ at::Tensor skinny_gemm(at::Tensor x, at::Tensor packed, int64_t out);
 int64_t panel_width();
 void decode_attention(at::Tensor out, at::Tensor q, at::Tensor k, at::Tensor v, std::vector<at::Tensor> caches,
                       std::vector<int64_t> offsets, std::vector<int64_t> sizes, std::vector<int64_t> starts,
-                      int64_t layer, double scale);
+                      int64_t layer, double scale, std::vector<std::vector<int64_t>> parents);
 }  // namespace splitspec
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -18,5 +18,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("panel_width", &splitspec::panel_width, "outputs per packed panel of skinny_gemm's weight");
   m.def("decode_attention", &splitspec::decode_attention,
         "append short chunks' K/V to their caches and attend, every sequence alone, in one call",
-        py::call_guard<py::gil_scoped_release>());
+        py::arg("out"), py::arg("q"), py::arg("k"), py::arg("v"), py::arg("caches"), py::arg("offsets"),
+        py::arg("sizes"), py::arg("starts"), py::arg("layer"), py::arg("scale"),
+        py::arg("parents") = std::vector<std::vector<int64_t>>(), py::call_guard<py::gil_scoped_release>());
 }

@@ -1,7 +1,7 @@
 // Attention for short chunks (verify blocks, draft steps, short prompts) of several sequences in one call:
 // appends each chunk's K/V to its own cache, then for every row and head computes
 // softmax(scale * q . K[:keys]) @ V[:keys] over the keys the row may see (every cached position and the chunk's
-// rows up to its own: causal). torch's SDPA does the same per sequence, but on a CPU each call costs about
+// rows up to its own: causal; in a draft tree's chunk, its ancestors and itself). torch's SDPA does the same per sequence, but on a CPU each call costs about
 // 100 us of setup for microseconds of arithmetic, and a batched verify pass over 16 sessions makes 480 of them.
 //
 // Each (row, head) is computed alone, in a fixed order (scores, then the maximum, exp and sum, then the
@@ -59,11 +59,56 @@ void attend_row(const float* q, const float* keys_base, const float* values_base
   }
 }
 
+// attend_row for a draft tree's row: the keys are the cached prefix [0, start) and then the row's ancestors in the
+// chunk and itself, ``path`` (chunk rows, shallowest first), exactly the keys it would have, in the same order, had
+// its path been decoded as a sequence; the arithmetic is attend_row's, so its result is that sequence's, bit for bit.
+void attend_tree_row(const float* q, const float* keys_base, const float* values_base, int64_t start,
+                     const std::vector<int64_t>& path, int64_t d, float scale, float* scores, float* out) {
+  const int64_t keys = start + static_cast<int64_t>(path.size());
+  auto key = [&](int64_t t) { return t < start ? keys_base + t * d : keys_base + (start + path[t - start]) * d; };
+  auto value = [&](int64_t t) { return t < start ? values_base + t * d : values_base + (start + path[t - start]) * d; };
+  float top = -INFINITY;
+  for (int64_t t = 0; t < keys; ++t) {
+    scores[t] = dot(q, key(t), d) * scale;
+    top = std::max(top, scores[t]);
+  }
+  const Vec vtop = vset1(top);
+  Vec vtotal = vzero();
+  int64_t t = 0;
+  for (; t + kLanes <= keys; t += kLanes) {
+    Vec e = vexp(vsub(vload(scores + t), vtop));
+    vstore(scores + t, e);
+    vtotal = vadd(vtotal, e);
+  }
+  float total = vsum(vtotal);
+  if (t < keys) {
+    float tail[kLanes];
+    for (int64_t j = 0; j < kLanes; ++j) tail[j] = t + j < keys ? scores[t + j] - top : -INFINITY;
+    vstore(tail, vexp(vload(tail)));
+    for (int64_t j = 0; t + j < keys; ++j) {
+      scores[t + j] = tail[j];
+      total += tail[j];
+    }
+  }
+  const Vec vtotal_all = vset1(total);
+  int64_t i = 0;
+  for (; i + kLanes <= d; i += kLanes) {
+    Vec acc = vzero();
+    for (int64_t s = 0; s < keys; ++s) acc = vfma(vset1(scores[s]), vload(value(s) + i), acc);
+    vstore(out + i, vdiv(acc, vtotal_all));
+  }
+  for (; i < d; ++i) {
+    float acc = 0.f;
+    for (int64_t s = 0; s < keys; ++s) acc += scores[s] * value(s)[i];
+    out[i] = acc / total;
+  }
+}
+
 }  // namespace
 
 void decode_attention(at::Tensor out, at::Tensor q, at::Tensor k, at::Tensor v, std::vector<at::Tensor> caches,
                       std::vector<int64_t> offsets, std::vector<int64_t> sizes, std::vector<int64_t> starts,
-                      int64_t layer, double scale) {
+                      int64_t layer, double scale, std::vector<std::vector<int64_t>> parents) {
   TORCH_CHECK(out.dtype() == at::kFloat && q.dtype() == at::kFloat && k.dtype() == at::kFloat &&
                   v.dtype() == at::kFloat, "float32 only");
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q [h, N, d], k and v [h_kv, N, d]");
@@ -102,6 +147,21 @@ void decode_attention(at::Tensor out, at::Tensor q, at::Tensor k, at::Tensor v, 
     max_keys = std::max(max_keys, starts[c] + sizes[c]);
   }
 
+  // a draft tree's chunk (parents[c] non-empty: each row's parent row, -1 for the first): each row's path
+  TORCH_CHECK(parents.empty() || parents.size() == chunks, "parents: none, or one entry per chunk");
+  std::vector<std::vector<std::vector<int64_t>>> paths(chunks);
+  for (size_t c = 0; c < parents.size(); ++c) {
+    if (parents[c].empty()) continue;
+    TORCH_CHECK(static_cast<int64_t>(parents[c].size()) == sizes[c], "parents: one per row of the chunk");
+    paths[c].resize(sizes[c]);
+    for (int64_t r = 0; r < sizes[c]; ++r) {
+      const int64_t p = parents[c][r];
+      TORCH_CHECK(p < r && (p >= 0 || r == 0), "a row's parent precedes it; only the first row has none");
+      if (p >= 0) paths[c][r] = paths[c][p];
+      paths[c][r].push_back(r);
+    }
+  }
+
   // one work item per (chunk row, head)
   std::vector<std::pair<size_t, int64_t>> rows;  // (chunk, row within it)
   for (size_t c = 0; c < chunks; ++c)
@@ -113,6 +173,12 @@ void decode_attention(at::Tensor out, at::Tensor q, at::Tensor k, at::Tensor v, 
       const auto [c, r] = rows[item / heads];
       const int64_t h = item % heads, g = h / group, row = offsets[c] + r;
       const int64_t kv_stride = caches[c].stride(2);
+      if (!paths[c].empty()) {
+        attend_tree_row(qp + h * q.stride(0) + row * q.stride(1), key_bases[c] + g * kv_stride,
+                        value_bases[c] + g * kv_stride, starts[c], paths[c][r], d, static_cast<float>(scale),
+                        scores.data(), op + row * out.stride(0) + h * d);
+        continue;
+      }
       attend_row(qp + h * q.stride(0) + row * q.stride(1), key_bases[c] + g * kv_stride,
                  value_bases[c] + g * kv_stride, starts[c] + r + 1, d, static_cast<float>(scale), scores.data(),
                  op + row * out.stride(0) + h * d);
