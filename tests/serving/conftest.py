@@ -144,3 +144,31 @@ def reference(default_pair, target_info):
         return greedy_reference(target.model, ids, max_new_tokens)
 
     return ref
+
+
+def assert_second_token_follows_the_target(client, default_pair, target_info, draws: int) -> None:
+    """Seeded draws with EAGLE drafts (k = 2): given the first token, the second — the first verify step's, an
+    accepted draft or a recovered token — follows the target's p (chi-square)."""
+    import torch
+
+    from services.sampling import SamplingParams, logits_to_probs
+    from tests.services.test_sampling import assert_follows
+
+    target, _ = default_pair
+    prompt = "The capital of France is"  # raw text: the first token is nearly always " Paris", the next one is not
+    seconds: dict[int, list[int]] = {}
+    drafted = 0
+    for seed in range(draws):
+        response = client.generate(prompt, max_new_tokens=4, temperature=1.0, seed=seed, drafter="eagle",
+                                   num_draft_tokens=2)  # 4: room for 2 drafts after the first token
+        first, second = response.token_ids[:2]
+        seconds.setdefault(first, []).append(second)
+        drafted += response.speculation_stats.drafted
+    first, seconds_drawn = max(seconds.items(), key=lambda kv: len(kv[1]))
+    assert len(seconds_drawn) >= draws // 2 and drafted > 0, \
+        f"{len(seconds_drawn)} draws after the likeliest first token, {drafted} drafted"
+    ids = encode_prompt(target_info.tokenizer, prompt, []) + [first]
+    with torch.inference_mode():
+        logits = target.model(input_ids=torch.tensor([ids])).logits[0, -1:]
+    p = logits_to_probs(logits.float(), SamplingParams(temperature=1.0))[0]  # [vocab_size]
+    assert_follows(torch.bincount(torch.tensor(seconds_drawn), minlength=p.shape[0]).float(), p)

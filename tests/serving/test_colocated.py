@@ -8,7 +8,10 @@ import concurrent.futures
 import pytest
 import ray
 
-from tests.serving.conftest import BOUND_S, MAX_NEW_TOKENS, PROMPTS, arm, handle, held, make_config, serving, until
+from tests.serving.conftest import (
+    BOUND_S, MAX_NEW_TOKENS, PROMPTS, arm, assert_second_token_follows_the_target, handle, held, make_config, serving,
+    until,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -70,29 +73,7 @@ SAMPLED_DRAWS = 300
 def test_sampled_tokens_follow_the_target(client, default_pair, target_info):
     """Seeded draws with EAGLE drafts (k = 2) drafted in the verify replica: the second token (the first verify
     step's, an accepted draft or a recovered token) follows the target's p given the first."""
-    import torch
-
-    from services.sampling import SamplingParams, logits_to_probs
-    from services.text import encode_prompt
-    from tests.services.test_sampling import assert_follows
-
-    target, _ = default_pair
-    prompt = "The capital of France is"
-    seconds: dict[int, list[int]] = {}
-    drafted = 0
-    for seed in range(SAMPLED_DRAWS):
-        response = client.generate(prompt, max_new_tokens=4, temperature=1.0, seed=seed, drafter="eagle",
-                                   num_draft_tokens=2)
-        first, second = response.token_ids[:2]
-        seconds.setdefault(first, []).append(second)
-        drafted += response.speculation_stats.drafted
-    first, draws = max(seconds.items(), key=lambda kv: len(kv[1]))
-    assert len(draws) >= SAMPLED_DRAWS // 2 and drafted > 0, f"{len(draws)} draws, {drafted} drafted"
-    ids = encode_prompt(target_info.tokenizer, prompt, []) + [first]
-    with torch.inference_mode():
-        logits = target.model(input_ids=torch.tensor([ids])).logits[0, -1:]
-    p = logits_to_probs(logits.float(), SamplingParams(temperature=1.0))[0]  # [vocab_size]
-    assert_follows(torch.bincount(torch.tensor(draws), minlength=p.shape[0]).float(), p)
+    assert_second_token_follows_the_target(client, default_pair, target_info, SAMPLED_DRAWS)
 
 
 def test_concurrent_streams_share_draft_and_verify_passes(client, reference):

@@ -3,7 +3,7 @@
 import pytest
 
 from splitspec.v1 import splitspec_pb2 as pb
-from tests.serving.conftest import MAX_NEW_TOKENS, PROMPTS, handle, serving, make_config
+from tests.serving.conftest import MAX_NEW_TOKENS, PROMPTS, assert_second_token_follows_the_target, handle, make_config, serving
 
 pytestmark = pytest.mark.slow
 
@@ -143,29 +143,7 @@ def test_sampled_tokens_follow_the_target_through_the_graph(client, default_pair
     The second token is the first verify step's: an accepted draft or a recovered token, so the draft ids and their
     q crossed the graph (draft replica -> ingress -> verify replica) and were used by the exact sampler there.
     """
-    import torch
-
-    from services.sampling import SamplingParams, logits_to_probs
-    from services.text import encode_prompt
-    from tests.services.test_sampling import assert_follows
-
-    target, _ = default_pair
-    prompt = "The capital of France is"  # raw text: the first token is nearly always " Paris", the next one is not
-    seconds: dict[int, list[int]] = {}
-    drafted = 0
-    for seed in range(SAMPLED_DRAWS):
-        response = client.generate(prompt, max_new_tokens=4, temperature=1.0, seed=seed, drafter="eagle",
-                                   num_draft_tokens=2)  # 4: room for 2 drafts after the first token
-        first, second = response.token_ids[:2]
-        seconds.setdefault(first, []).append(second)
-        drafted += response.speculation_stats.drafted
-    first, draws = max(seconds.items(), key=lambda kv: len(kv[1]))
-    assert len(draws) >= SAMPLED_DRAWS // 2 and drafted > 0, f"{len(draws)} draws after the likeliest first token, {drafted} drafted"
-    ids = encode_prompt(target_info.tokenizer, prompt, []) + [first]
-    with torch.inference_mode():
-        logits = target.model(input_ids=torch.tensor([ids])).logits[0, -1:]
-    p = logits_to_probs(logits.float(), SamplingParams(temperature=1.0))[0]  # [vocab_size]
-    assert_follows(torch.bincount(torch.tensor(draws), minlength=p.shape[0]).float(), p)
+    assert_second_token_follows_the_target(client, default_pair, target_info, SAMPLED_DRAWS)
 
 
 def test_concurrent_streams_are_batched_and_each_equals_its_answer_alone(client, reference):
