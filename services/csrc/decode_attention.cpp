@@ -19,12 +19,15 @@
 namespace splitspec {
 namespace {
 
-// out[0, d) = softmax(scale * q . K[t]) weighted sum of V[t], t < keys; scores: scratch of at least keys floats.
-void attend_row(const float* q, const float* keys_base, const float* values_base, int64_t keys, int64_t d,
-                float scale, float* scores, float* out) {
+// out[0, d) = softmax(scale * q . K(t)) weighted sum of V(t), t < keys, with K(t) = key(t) and V(t) = value(t)
+// (pointers to d floats); scores: scratch of at least keys floats. One body for every layout of the keys, so that a
+// row whose keys are gathered (a draft tree's) computes exactly what a row with the same keys in sequence does.
+template <typename KeyAt, typename ValueAt>
+void attend(const float* q, KeyAt key, ValueAt value, int64_t keys, int64_t d, float scale, float* scores,
+            float* out) {
   float top = -INFINITY;
   for (int64_t t = 0; t < keys; ++t) {
-    scores[t] = dot(q, keys_base + t * d, d) * scale;
+    scores[t] = dot(q, key(t), d) * scale;
     top = std::max(top, scores[t]);
   }
   const Vec vtop = vset1(top);
@@ -49,51 +52,6 @@ void attend_row(const float* q, const float* keys_base, const float* values_base
   int64_t i = 0;
   for (; i + kLanes <= d; i += kLanes) {
     Vec acc = vzero();
-    for (int64_t s = 0; s < keys; ++s) acc = vfma(vset1(scores[s]), vload(values_base + s * d + i), acc);
-    vstore(out + i, vdiv(acc, vtotal_all));
-  }
-  for (; i < d; ++i) {
-    float acc = 0.f;
-    for (int64_t s = 0; s < keys; ++s) acc += scores[s] * values_base[s * d + i];
-    out[i] = acc / total;
-  }
-}
-
-// attend_row for a draft tree's row: the keys are the cached prefix [0, start) and then the row's ancestors in the
-// chunk and itself, ``path`` (chunk rows, shallowest first), exactly the keys it would have, in the same order, had
-// its path been decoded as a sequence; the arithmetic is attend_row's, so its result is that sequence's, bit for bit.
-void attend_tree_row(const float* q, const float* keys_base, const float* values_base, int64_t start,
-                     const std::vector<int64_t>& path, int64_t d, float scale, float* scores, float* out) {
-  const int64_t keys = start + static_cast<int64_t>(path.size());
-  auto key = [&](int64_t t) { return t < start ? keys_base + t * d : keys_base + (start + path[t - start]) * d; };
-  auto value = [&](int64_t t) { return t < start ? values_base + t * d : values_base + (start + path[t - start]) * d; };
-  float top = -INFINITY;
-  for (int64_t t = 0; t < keys; ++t) {
-    scores[t] = dot(q, key(t), d) * scale;
-    top = std::max(top, scores[t]);
-  }
-  const Vec vtop = vset1(top);
-  Vec vtotal = vzero();
-  int64_t t = 0;
-  for (; t + kLanes <= keys; t += kLanes) {
-    Vec e = vexp(vsub(vload(scores + t), vtop));
-    vstore(scores + t, e);
-    vtotal = vadd(vtotal, e);
-  }
-  float total = vsum(vtotal);
-  if (t < keys) {
-    float tail[kLanes];
-    for (int64_t j = 0; j < kLanes; ++j) tail[j] = t + j < keys ? scores[t + j] - top : -INFINITY;
-    vstore(tail, vexp(vload(tail)));
-    for (int64_t j = 0; t + j < keys; ++j) {
-      scores[t + j] = tail[j];
-      total += tail[j];
-    }
-  }
-  const Vec vtotal_all = vset1(total);
-  int64_t i = 0;
-  for (; i + kLanes <= d; i += kLanes) {
-    Vec acc = vzero();
     for (int64_t s = 0; s < keys; ++s) acc = vfma(vset1(scores[s]), vload(value(s) + i), acc);
     vstore(out + i, vdiv(acc, vtotal_all));
   }
@@ -102,6 +60,24 @@ void attend_tree_row(const float* q, const float* keys_base, const float* values
     for (int64_t s = 0; s < keys; ++s) acc += scores[s] * value(s)[i];
     out[i] = acc / total;
   }
+}
+
+// A row of a causal chunk: the keys are positions [0, keys) of the cache.
+void attend_row(const float* q, const float* keys_base, const float* values_base, int64_t keys, int64_t d,
+                float scale, float* scores, float* out) {
+  attend(q, [&](int64_t t) { return keys_base + t * d; }, [&](int64_t t) { return values_base + t * d; }, keys, d,
+         scale, scores, out);
+}
+
+// A draft tree's row: the keys are the cached prefix [0, start) and then the row's ancestors in the chunk and
+// itself, ``path`` (chunk rows, shallowest first) — the keys it would have, in the same order, had its path been
+// decoded as a sequence; so its result is that sequence's, bit for bit.
+void attend_tree_row(const float* q, const float* keys_base, const float* values_base, int64_t start,
+                     const std::vector<int64_t>& path, int64_t d, float scale, float* scores, float* out) {
+  auto at = [&](const float* base) {
+    return [&, base](int64_t t) { return t < start ? base + t * d : base + (start + path[t - start]) * d; };
+  };
+  attend(q, at(keys_base), at(values_base), start + static_cast<int64_t>(path.size()), d, scale, scores, out);
 }
 
 }  // namespace
