@@ -67,7 +67,7 @@ class SpeculationDefaults(_Strict):
         "serves only pre-drafting requests (overlap). Turn it off where the drafter has an accelerator of its own",
     )
     tree_width: int = Field(
-        1, ge=1, le=MAX_TREE_WIDTH, description="candidates per draft position for greedy requests: > 1 drafts a tree, "
+        3, ge=1, le=MAX_TREE_WIDTH, description="candidates per draft position for greedy requests: > 1 drafts a tree, "
         "the chain and the drafter's next most likely tokens at each depth, verified in one pass (services.tree; "
         "exact for greedy decoding, sampled requests draft chains)",
     )

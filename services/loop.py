@@ -44,6 +44,7 @@ from services.draft import EAGLE_DRAFTER, FEATURE_DRAFTERS, MODEL_DRAFTER, PROMP
 from services.policy import AdaptiveK
 from services.prefill import PrefillEngine
 from services.sampling import SamplingParams
+from services.tree import chain_length
 from services.validation import validate_max_new_tokens, validate_num_draft_tokens, validate_prompt
 from services.verify import VerifyEngine, VerifyResult
 
@@ -266,11 +267,6 @@ class SpeculativeLoop:
         if self.policy is not None:
             return self.policy.choose(remaining)
         return min(self.num_draft_tokens, remaining - 1)
-
-
-def chain_length(parents: Sequence[int]) -> int:
-    """The chain at the front of a draft tree (services.tree.with_sides): nodes whose parent is the row before."""
-    return next((i for i, p in enumerate(parents) if p != i), len(parents))
 
 
 def drafter_accepts(verdict: VerifyResult, chain: int) -> list[Accept]:

@@ -45,6 +45,11 @@ def side_tree(chain_len: int, width: int) -> list[int]:
     return chain_parents(chain_len) + [d for d in range(chain_len) for _ in range(width - 1)]
 
 
+def chain_length(parents: Sequence[int]) -> int:
+    """The chain at the front of a draft tree (``with_sides``): nodes whose parent is the row before."""
+    return next((i for i, p in enumerate(parents) if p != i), len(parents))
+
+
 def side_ids(logits: torch.Tensor, width: int, chosen: int) -> list[int]:
     """The ``width - 1`` most likely ids of ``logits`` [V] other than the chain's ``chosen`` one (a depth's side nodes)."""
     top = torch.topk(logits, min(width, logits.shape[-1])).indices.tolist()

@@ -13,7 +13,7 @@ from services.prefill import FEATURE_DTYPE
 from services.runner import make_runner
 from services.sampling import SamplingParams, greedy_verify, logits_to_probs, make_generator, speculative_sample
 from services.sessions import DEFAULT_MAX_KV_BYTES, DEFAULT_MAX_SESSIONS, SessionStore
-from services.tree import DraftTree
+from services.tree import DraftTree, chain_length
 from services.validation import MAX_DRAFT_TOKENS
 
 VERIFY_STREAM = 2  # random stream of accept/reject draws (see sampling.make_generator)
@@ -173,7 +173,9 @@ class VerifyEngine:
             elif not session.params.greedy:
                 raise InvalidRequestError("draft trees are verified greedily: a sampled request drafts a chain")
             elif not getattr(self.runner, "supports_trees", False):
-                raise InvalidRequestError("this target's forward takes no draft trees (the compact Llama forward does)")
+                # transformers' forward (e.g. on a GPU) takes no tree mask here: verify the tree's chain, which is
+                # what the drafter's session follows (the side nodes are only extra candidates)
+                draft, tree = draft[: chain_length(tree.parents)], None
         return session, draft, tree
 
     def close(self, request_id: str) -> None:

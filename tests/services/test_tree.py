@@ -6,10 +6,10 @@ import torch
 
 from services import kernels
 from services.errors import InvalidRequestError
-from services.loop import chain_length, generate
+from services.loop import generate
 from services.runner import make_runner
 from services.sampling import SamplingParams
-from services.tree import DraftTree, side_tree, with_sides
+from services.tree import DraftTree, chain_length, side_tree, with_sides
 from services.verify import VerifyEngine
 from tests.conftest import greedy_reference
 from tests.services.test_engine import NEW_TOKENS, PROMPTS
@@ -143,3 +143,19 @@ def test_verify_refuses_a_tree_for_a_sampled_session(tiny, tiny_engines):
             verify.verify("tree-sampled", [5, 6], None, tree_parents=(0, 2))
     finally:
         verify.close("tree-sampled")
+
+
+def test_a_forward_without_trees_verifies_the_chain(tiny, tiny_engines):
+    """transformers' forward (the GPU path) takes no tree mask: greedy requests with trees still get the target's
+    tokens, each tree verified as its chain."""
+    from services.runner import ModelRunner
+
+    target, _ = tiny
+    prefill, draft, _ = tiny_engines
+    verify = VerifyEngine(target)
+    verify.runner = ModelRunner(target)
+    assert not verify.runner.supports_trees
+    for prompt in PROMPTS[:3]:
+        result = generate(prefill, draft, verify, prompt, max_new_tokens=32, num_draft_tokens=2,
+                          params=SamplingParams(), drafter="model", tree_width=3)
+        assert result.token_ids == greedy_reference(target.model, prompt, 32), prompt
