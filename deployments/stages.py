@@ -190,10 +190,12 @@ class _Stage:
     async def release_fault(self) -> None:
         self.faults.release()
 
-    def _batcher(self, run_pass: Callable, **options) -> ContinuousBatcher:
-        """Continuous batching of this replica's engine calls, each pass recorded in the batch histograms."""
-        return ContinuousBatcher(run_pass, max_rows=self.config.batch_rows(self.stage),
-                                 on_pass=lambda p: self.session_metrics.batched_pass(p.calls, p.rows), **options)
+    def _batcher(self, run_pass: Callable, metrics: SessionMetrics | None = None, **options) -> ContinuousBatcher:
+        """Continuous batching of this replica's engine calls, each pass recorded in the batch histograms of
+        ``metrics``' stage (default: this replica's), with that stage's rows a pass."""
+        metrics = metrics or self.session_metrics
+        return ContinuousBatcher(run_pass, max_rows=self.config.batch_rows(metrics.stage),
+                                 on_pass=lambda p: metrics.batched_pass(p.calls, p.rows), **options)
 
     async def _run(self, fn: Callable, *args):
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
@@ -335,10 +337,7 @@ class Verify(_Stage):
         self.drafts: DraftEngine | None = None
         if self.config.speculation.colocate_drafter:
             self.drafts = load_drafter(self.config, self.stage, target)
-            self.draft_metrics = SessionMetrics("draft")
-            self.draft_batcher = ContinuousBatcher(
-                self._propose_pass, max_rows=self.config.batch_rows("draft"), gather_max_s=0.0,
-                on_pass=lambda p: self.draft_metrics.batched_pass(p.calls, p.rows))
+            self.draft_batcher = self._batcher(self._propose_pass, SessionMetrics("draft"), gather_max_s=0.0)
         # what the adaptive policy of ``speculate`` learns here, per drafter: step costs and acceptance
         self.costs: dict[str, CostModel] = defaultdict(CostModel)
         self.acceptance: dict[str, AcceptanceCounts] = defaultdict(AcceptanceCounts)
