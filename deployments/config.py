@@ -6,6 +6,8 @@ description, cross-field checks live in one validator.
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from services.draft import DRAFTERS
@@ -155,6 +157,11 @@ class Models(_Strict):
     draft: str = Field("", description="draft model folder sharing the target's tokenizer; empty = default pair")
     dtype: str = Field("float32", description="weights dtype: float32, bfloat16 or float16")
     served_name: str = Field("", description="the model id of the OpenAI-compatible API; empty = the target folder's name")
+    draft_weights: Literal["bfloat16", "float32"] = Field(
+        "bfloat16", description="how a drafter loaded in float32 on the CPU keeps its matmul weights (the draft model's "
+        "and the EAGLE head's): bfloat16 halves the bytes each draft step streams (products and sums stay float32); "
+        "lossless either way, the verifier accepts by the drafter's own q",
+    )
 
 
 class Stages(_Strict):

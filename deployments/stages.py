@@ -35,7 +35,7 @@ from deployments.status import DRAFT_FAILURES, unwrap
 from services import eagle_draft
 from services.draft import DraftEngine, DraftProposal, ProposeCall
 from services.errors import CapacityError, SessionNotFoundError
-from services.loading import LoadedModel, check_device, config_of, load_causal_lm, set_num_threads
+from services.loading import DTYPES, LoadedModel, check_device, config_of, load_causal_lm, set_num_threads
 from services.loop import SpeculativeLoop, StepOutput, execute_async
 from services.policy import AcceptanceCounts, AdaptiveK, CostModel, describe
 from services.prefill import PrefillCall, PrefillEngine, PrefillProgress
@@ -121,6 +121,7 @@ def load_drafter(config: AppConfig, stage: str, target: LoadedModel | None = Non
         max_kv_bytes=config.limits.max_kv_bytes,
         max_context=getattr(config_of(target_dir), "max_position_embeddings", None),  # (the pair is checked by the ingress)
         eagle_head=head,
+        weight_storage=DTYPES[config.models.draft_weights],
     )
     warm_up(engine.runner)
     return engine

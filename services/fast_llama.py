@@ -41,13 +41,19 @@ class Linear:
     _plans: dict[tuple[int, int, int, int], str] = {}  # (in, out, rows, threads) -> fastest variant
     forced_variant: str | None = None  # pin one variant for every call (bit-reproducible comparisons)
 
-    def __init__(self, weight: torch.Tensor):  # [out, in]
+    def __init__(self, weight: torch.Tensor, storage: torch.dtype | None = None):  # [out, in]
+        """``storage=torch.bfloat16`` (a drafter's float32 weights): the weight is rounded to bfloat16 once
+        (``weights_as``) and the kernel streams it as bfloat16, half the bytes, widening each value as it loads it,
+        products and sums in float32; every other call uses the same rounded values in float32."""
+        if storage not in (None, torch.float32, torch.bfloat16):
+            raise ValueError(f"a Linear's weights are stored as float32 or bfloat16, not {storage}")
+        weight = weights_as(weight, storage)
         self.out_features = weight.shape[0]
         self.weight_t = weight.t().contiguous()  # [in, out]
-        self.packed = None  # [ceil(out / 64), in, 64]: the kernel's layout, where it is built (float32)
+        self.packed = None  # [ceil(out / 64), in, 64]: the kernel's layout, where it is built (float32 weights)
         self.weight = None  # [out, in]: for the BLAS variants that only run without the kernel
         if weight.dtype == torch.float32 and kernels.skinny_gemm() is not None:
-            self.packed = kernels.pack_weight(weight)
+            self.packed = kernels.pack_weight(weight).to(storage or torch.float32)  # (exact: the values are rounded)
         else:
             self.weight = weight.contiguous()
 
@@ -85,6 +91,13 @@ class Linear:
             variants = self.variants(n)
             Linear._plans[key] = min(variants, key=lambda name: _time(variants[name], x))
         return getattr(self, "_" + Linear._plans[key])(x)
+
+
+def weights_as(weight: torch.Tensor, storage: torch.dtype | None) -> torch.Tensor:
+    """A float32 ``weight`` rounded to ``storage``'s precision (kept float32); anything else as it is."""
+    if storage is None or weight.dtype != torch.float32:
+        return weight
+    return weight.to(storage).to(torch.float32)
 
 
 AUTOTUNE_MAX_ROWS = 16  # verify chunks are short; prefill-sized chunks use the plain GEMM
@@ -158,7 +171,8 @@ class FastLlamaRunner:
 
     supports_trees = True  # forward_batch takes draft trees (services.tree)
 
-    def __init__(self, loaded, *, kept_ids: torch.Tensor | None = None):  # kept_ids: [N] ascending, None = full head
+    def __init__(self, loaded, *, kept_ids: torch.Tensor | None = None, weight_storage: torch.dtype | None = None):
+        # kept_ids: [N] ascending, None = full head; weight_storage: of the matmul weights (Linear), None = as loaded
         self.loaded = loaded
         model, config = loaded.model, loaded.model.config
         self.num_heads = config.num_attention_heads
@@ -174,18 +188,18 @@ class FastLlamaRunner:
             self.layers.append(
                 (
                     layer.input_layernorm.weight,
-                    Linear(torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])),  # hidden -> (h + 2 h_kv) * d
-                    Linear(attn.o_proj.weight),  # h * d -> hidden
+                    Linear(torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]), weight_storage),  # hidden -> (h + 2 h_kv) * d
+                    Linear(attn.o_proj.weight, weight_storage),  # h * d -> hidden
                     layer.post_attention_layernorm.weight,
-                    Linear(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])),  # hidden -> 2 * inter
-                    Linear(mlp.down_proj.weight),  # inter -> hidden
+                    Linear(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), weight_storage),  # hidden -> 2 * inter
+                    Linear(mlp.down_proj.weight, weight_storage),  # inter -> hidden
                 )
             )
         self.norm = base.norm.weight
         head = model.get_output_embeddings().weight  # [vocab_size, hidden]
         self.vocab_size = head.shape[0]
         self.kept_ids = kept_ids  # pruned draft vocabulary (services.draft_vocab), None = every id
-        self.head = Linear(head if kept_ids is None else head[kept_ids])  # hidden -> N kept ids (or vocab_size)
+        self.head = Linear(head if kept_ids is None else head[kept_ids], weight_storage)  # hidden -> N kept ids (or vocab_size)
         self.scaling = self.head_dim**-0.5
         theta = config.rope_parameters["rope_theta"]
         self.inv_freq = 1.0 / (theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float) / self.head_dim))

@@ -83,7 +83,8 @@ def skinny_gemm():
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:  # [out, in] -> [ceil(out / 64), in, 64]
-    """``weight`` in ``skinny_gemm``'s layout: panels of 64 outputs (the last zero-padded), each input by input."""
+    """``weight`` in ``skinny_gemm``'s layout: panels of 64 outputs (the last zero-padded), each input by input.
+    The kernel takes the panels in float32 or bfloat16 (``.to(torch.bfloat16)``: half the bytes to stream)."""
     width = _kernels().panel_width()
     out, inputs = weight.shape
     panels = -(-out // width)

@@ -88,16 +88,18 @@ def cache_kwarg(model) -> str:
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
-def make_runner(loaded: LoadedModel, *, fast: bool = True, kept_ids: torch.Tensor | None = None):
+def make_runner(loaded: LoadedModel, *, fast: bool = True, kept_ids: torch.Tensor | None = None,
+                weight_storage: torch.dtype | None = None):
     """The fastest runner that supports ``loaded`` (``fast=False`` forces transformers' forward).
 
     ``kept_ids`` [N] prunes the LM head to those ids (a drafter's pruned vocabulary, services.draft_vocab):
-    logits elsewhere are -inf.
+    logits elsewhere are -inf. ``weight_storage`` (a drafter's: torch.bfloat16): the compact forward's matmul
+    weights in that precision (fast_llama.Linear); transformers' forward ignores it.
     """
     from services import fast_llama
 
     if fast and loaded.model.device.type == "cpu" and fast_llama.supports(loaded.model.config):
-        return fast_llama.FastLlamaRunner(loaded, kept_ids=kept_ids)
+        return fast_llama.FastLlamaRunner(loaded, kept_ids=kept_ids, weight_storage=weight_storage)
     return ModelRunner(loaded, kept_ids=kept_ids)
 
 

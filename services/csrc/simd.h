@@ -14,6 +14,10 @@ constexpr int64_t kLanes = 16;
 inline Vec vzero() { return _mm512_setzero_ps(); }
 inline Vec vset1(float a) { return _mm512_set1_ps(a); }
 inline Vec vload(const float* p) { return _mm512_loadu_ps(p); }
+// 16 bfloat16 values widened to float32 (exact: a bfloat16 is a float32's top 16 bits)
+inline Vec vload(const uint16_t* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
 inline void vstore(float* p, Vec a) { _mm512_storeu_ps(p, a); }
 inline Vec vadd(Vec a, Vec b) { return _mm512_add_ps(a, b); }
 inline Vec vsub(Vec a, Vec b) { return _mm512_sub_ps(a, b); }
@@ -42,6 +46,10 @@ constexpr int64_t kLanes = 8;
 inline Vec vzero() { return _mm256_setzero_ps(); }
 inline Vec vset1(float a) { return _mm256_set1_ps(a); }
 inline Vec vload(const float* p) { return _mm256_loadu_ps(p); }
+// 8 bfloat16 values widened to float32 (exact: a bfloat16 is a float32's top 16 bits)
+inline Vec vload(const uint16_t* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
 inline void vstore(float* p, Vec a) { _mm256_storeu_ps(p, a); }
 inline Vec vadd(Vec a, Vec b) { return _mm256_add_ps(a, b); }
 inline Vec vsub(Vec a, Vec b) { return _mm256_sub_ps(a, b); }

@@ -12,6 +12,10 @@
 // Every y[m, o] is summed in one order: i = 0, 1, ..., in - 1, one fused multiply-add each, in one vector lane.
 // That order depends on nothing else — not on the rows, the blocking, the thread split or the vector width — so
 // a row's result is the same bits alone or batched with other sessions' rows, on the AVX-512 and the AVX2 build.
+//
+// The packed weight may be float32 or bfloat16 (a drafter's weights: half the bytes a step streams). A bfloat16
+// weight is widened to float32 exactly as it is loaded, and x, the products and the sums stay float32, so the
+// result is that of the float32 kernel over the bfloat16-rounded weight, bit for bit.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
@@ -33,14 +37,14 @@ constexpr int kBlockRows = 4;  // 4 x 2 accumulators + 2 weights + 1 broadcast <
 constexpr int64_t kSubWidth = kSubVecs * kLanes;  // outputs per micro-kernel call
 
 // dst[m, 0 .. kSubWidth) = the products of MB rows of x with kSubWidth columns of one panel (``panel`` points at
-// the sub-panel's first column; consecutive inputs are kPanel floats apart).
-template <int MB>
-inline void micro(const float* x, int64_t in, const float* panel, float* dst, int64_t ld_dst) {
+// the sub-panel's first column; consecutive inputs are kPanel weights apart). W: float or uint16_t (bfloat16).
+template <int MB, typename W>
+inline void micro(const float* x, int64_t in, const W* panel, float* dst, int64_t ld_dst) {
   Vec acc[MB][kSubVecs];
   for (int m = 0; m < MB; ++m)
     for (int v = 0; v < kSubVecs; ++v) acc[m][v] = vzero();
   for (int64_t i = 0; i < in; ++i) {
-    const float* w = panel + i * kPanel;
+    const W* w = panel + i * kPanel;
     Vec wv[kSubVecs];
     for (int v = 0; v < kSubVecs; ++v) wv[v] = vload(w + v * kLanes);
     for (int m = 0; m < MB; ++m) {
@@ -52,8 +56,8 @@ inline void micro(const float* x, int64_t in, const float* panel, float* dst, in
     for (int v = 0; v < kSubVecs; ++v) vstore(dst + m * ld_dst + v * kLanes, acc[m][v]);
 }
 
-template <int MB>
-inline void sub_panel(const float* x, int64_t in, const float* panel, float* y, int64_t out, int64_t o0) {
+template <int MB, typename W>
+inline void sub_panel(const float* x, int64_t in, const W* panel, float* y, int64_t out, int64_t o0) {
   if (o0 + kSubWidth <= out) {
     micro<MB>(x, in, panel, y + o0, out);
     return;
@@ -64,8 +68,9 @@ inline void sub_panel(const float* x, int64_t in, const float* panel, float* y, 
 }
 
 // One panel against every row of x, block by block (the panel stays in L2 after the first block).
-void panel_rows(const float* x, const float* packed, float* y, int64_t rows, int64_t in, int64_t out, int64_t p) {
-  const float* panel = packed + p * in * kPanel;
+template <typename W>
+void panel_rows(const float* x, const W* packed, float* y, int64_t rows, int64_t in, int64_t out, int64_t p) {
+  const W* panel = packed + p * in * kPanel;
   for (int64_t s = 0; s < kPanel && p * kPanel + s < out; s += kSubWidth) {
     const int64_t o0 = p * kPanel + s;
     int64_t m0 = 0;
@@ -88,8 +93,16 @@ void panel_rows(const float* x, const float* packed, float* y, int64_t rows, int
 
 }  // namespace
 
+template <typename W>
+void run_panels(const float* xp, const W* wp, float* yp, int64_t rows, int64_t in, int64_t out, int64_t panels) {
+  at::parallel_for(0, panels, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) panel_rows(xp, wp, yp, rows, in, out, p);
+  });
+}
+
 at::Tensor skinny_gemm(at::Tensor x, at::Tensor packed, int64_t out) {
-  TORCH_CHECK(x.dtype() == at::kFloat && packed.dtype() == at::kFloat, "float32 only");
+  TORCH_CHECK(x.dtype() == at::kFloat, "x: float32 only");
+  TORCH_CHECK(packed.dtype() == at::kFloat || packed.dtype() == at::kBFloat16, "packed: float32 or bfloat16");
   TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1, "x [m, in] with at least one row");
   TORCH_CHECK(packed.dim() == 3 && packed.size(1) == x.size(1) && packed.size(2) == kPanel &&
                   out > (packed.size(0) - 1) * kPanel && out <= packed.size(0) * kPanel,
@@ -99,11 +112,11 @@ at::Tensor skinny_gemm(at::Tensor x, at::Tensor packed, int64_t out) {
   const int64_t rows = x.size(0), in = x.size(1), panels = packed.size(0);
   auto y = at::empty({rows, out}, x.options());
   const float* xp = x.data_ptr<float>();
-  const float* wp = packed.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, panels, 4, [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end; ++p) panel_rows(xp, wp, yp, rows, in, out, p);
-  });
+  if (packed.dtype() == at::kBFloat16)
+    run_panels(xp, reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()), yp, rows, in, out, panels);
+  else
+    run_panels(xp, packed.data_ptr<float>(), yp, rows, in, out, panels);
   return y;
 }
 

@@ -398,16 +398,19 @@ class HeadLinears:
     lm_head: object  # the target's embedding rows of the kept ids, [N, h]
 
     @staticmethod
-    def of(head: EagleHead) -> "HeadLinears":
+    def of(head: EagleHead, storage: torch.dtype | None = None) -> "HeadLinears":
+        """The head's linears, made on first call with ``storage`` (fast_llama.Linear: torch.bfloat16 streams half
+        the bytes; None = the weights' own dtype); later calls return them as made."""
         from services.fast_llama import Linear
 
         cached = getattr(head, "_linears", None)
         if cached is None:
             w = lambda lin: lin.weight.detach()  # noqa: E731  [out, in]
+            linear = lambda weight: Linear(weight, storage)  # noqa: E731
             cached = HeadLinears(
-                Linear(w(head.feature_in)), Linear(w(head.fc)), Linear(torch.cat([w(head.wq), w(head.wk), w(head.wv)])),
-                Linear(w(head.wo)), Linear(torch.cat([w(head.w_gate), w(head.w_up)])), Linear(w(head.w_down)),
-                Linear(head.embed[head.kept_ids]),
+                linear(w(head.feature_in)), linear(w(head.fc)), linear(torch.cat([w(head.wq), w(head.wk), w(head.wv)])),
+                linear(w(head.wo)), linear(torch.cat([w(head.w_gate), w(head.w_up)])), linear(w(head.w_down)),
+                linear(head.embed[head.kept_ids]),
             )
             object.__setattr__(head, "_linears", cached)  # not a parameter or buffer
         return cached
