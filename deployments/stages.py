@@ -36,7 +36,8 @@ from services import eagle_draft
 from services.draft import DraftEngine, DraftProposal, ProposeCall
 from services.errors import CapacityError, SessionNotFoundError
 from services.loading import DTYPES, LoadedModel, check_device, config_of, load_causal_lm, set_num_threads
-from services.loop import SpeculativeLoop, StepOutput, execute_async
+from services.chained import ChainedCall, run_chained
+from services.loop import Results, SpeculativeLoop, StepOutput, execute_async
 from services.policy import AcceptanceCounts, AdaptiveK, CostModel, describe
 from services.prefill import PrefillCall, PrefillEngine, PrefillProgress
 from services.runner import warm_up
@@ -222,7 +223,7 @@ class _Stage:
                     self.batcher.forget(request_id)
                 if getattr(self, "drafts", None) is not None:  # a colocated drafter's sessions (Verify)
                     for request_id in await self._run(self.drafts.sessions.reap, self.config.limits.session_idle_s):
-                        self.draft_batcher.forget(request_id)
+                        self.batcher.forget(request_id)
                 self.session_metrics.update(*await self._run(self._session_counts))
             await asyncio.sleep(GAUGE_PERIOD_S)
 
@@ -335,10 +336,12 @@ class Verify(_Stage):
         self.decode_streams = 0  # decode calls in all
         # speculation.colocate_drafter: a drafter of this replica's own, on the target's device and engine thread
         # (the EAGLE head on the target's embeddings); ``speculate`` asks it without a stage hop
+        # and drafts with it in the passes of ``batcher`` (services.chained: a step is one engine call)
         self.drafts: DraftEngine | None = None
+        self.draft_metrics = SessionMetrics("draft")  # the colocated drafter's passes, in the draft stage's histograms
+        self.draft_passes, self.draft_largest_pass = 0, 0
         if self.config.speculation.colocate_drafter:
             self.drafts = load_drafter(self.config, self.stage, target)
-            self.draft_batcher = self._batcher(self._propose_pass, SessionMetrics("draft"), gather_max_s=0.0)
         # what the adaptive policy of ``speculate`` learns here, per drafter: step costs and acceptance
         self.costs: dict[str, CostModel] = defaultdict(CostModel)
         self.acceptance: dict[str, AcceptanceCounts] = defaultdict(AcceptanceCounts)
@@ -348,10 +351,9 @@ class Verify(_Stage):
         """``_Stage.stats``, the decode streams running now (``decoding``) and started in all (``decode_streams``),
         and the colocated drafter's open sessions and batched passes (``draft_sessions``, ``draft_passes``,
         ``draft_largest_pass``; 0 without one)."""
-        draft = {"draft_sessions": 0, "draft_passes": 0, "draft_largest_pass": 0}
+        draft = {"draft_sessions": 0, "draft_passes": self.draft_passes, "draft_largest_pass": self.draft_largest_pass}
         if self.drafts is not None:
-            draft = {"draft_sessions": await self._run(lambda: len(self.drafts.sessions)),
-                     "draft_passes": self.draft_batcher.passes, "draft_largest_pass": self.draft_batcher.largest_pass}
+            draft["draft_sessions"] = await self._run(lambda: len(self.drafts.sessions))
         return {**await super().stats(), "decoding": len(self._decoding), "decode_streams": self.decode_streams, **draft}
 
     async def decode(self, request_id: str, max_tokens: int, stop_ids: list[int],
@@ -421,28 +423,45 @@ class Verify(_Stage):
 
         Verify calls join this replica's batched passes directly, and the delivery of a step to the ingress
         overlaps the next step. Proposals come from this replica's own drafter (``spec.draft_replica`` "", with
-        speculation.colocate_drafter: no stage hop at all; its session starts here over ``spec.prompt_ids`` and the
-        prefill's features) or from the draft replica holding the request's session, asked directly (one hop a
-        step instead of two). With ``spec.adaptive`` the replica's own policy picks k for every step from what it
+        speculation.colocate_drafter: no stage hop at all, and a step is one call of the batched passes, its
+        proposal drafted in the pass right before its verification — services.chained; the drafter's session
+        starts here over ``spec.prompt_ids`` and the prefill's features) or from the draft replica holding the
+        request's session, asked directly (one hop a step instead of two). With ``spec.adaptive`` the replica's own policy picks k for every step from what it
         measured here. The sessions this call opened close when it ends, whatever ended it."""
         handoff, params, features = opening
         local = spec.drafting and not spec.draft_replica
         fell_back: list[DraftFallback] = []  # at most one: then drafting is off
 
-        async def propose(p):
+        def draft_failed(exc: BaseException) -> None:
+            """A draft failure: the request goes on with the target alone (the answer is the same); anything else
+            is raised."""
+            cause = unwrap(exc)
+            if not isinstance(cause, DRAFT_FAILURES + (asyncio.TimeoutError,)):
+                raise exc
+            fell_back.append(DraftFallback("propose", type(cause).__name__))
+
+        async def propose(p):  # the remote drafter
             try:
-                if local:
-                    return await self.draft_batcher.submit(ProposeCall(request_id, p.k, list(p.forced), p.guesses,
-                                                                       list(p.accepts), p.width))
                 return await asyncio.wait_for(
                     remote.propose.remote(spec.draft_sid, p.k, p.accepts, p.forced, p.guesses, p.width),
                     timeout=self.config.limits.stage_timeout_s)
-            except Exception as exc:  # noqa: BLE001 - a draft failure: go on with the target alone
-                cause = unwrap(exc)
-                if not isinstance(cause, DRAFT_FAILURES + (asyncio.TimeoutError,)):
-                    raise
-                fell_back.append(DraftFallback("propose", type(cause).__name__))
+            except Exception as exc:  # noqa: BLE001
+                draft_failed(exc)
                 return None
+
+        async def propose_and_verify(p) -> Results:  # the local drafter: one call of the batched passes
+            await self.faults.point("verify")
+            step = await self.batcher.submit(ChainedCall(ProposeCall(request_id, p.k, list(p.forced), p.guesses,
+                                                                     list(p.accepts), p.width)))
+            if isinstance(step.verdict, Exception):
+                raise step.verdict
+            results = Results(verdict=step.verdict, propose_s=step.propose_s, verify_s=step.verify_s)
+            if isinstance(step.proposal, Exception):
+                draft_failed(step.proposal)
+                results.draft_failed = True
+            else:
+                results.proposal = step.proposal
+            return results
 
         async def verify(v):
             await self.faults.point("verify")
@@ -469,7 +488,7 @@ class Verify(_Stage):
                                    max_load=self.config.speculation.off_above_concurrency, width=spec.tree_width)
             loop = SpeculativeLoop(first_token, max_new_tokens=spec.max_new_tokens,
                                    eos=set(spec.eos), num_draft_tokens=spec.num_draft_tokens, drafting=drafting,
-                                   policy=policy, tree_width=spec.tree_width)
+                                   policy=policy, tree_width=spec.tree_width, chained=local)
             results = None
             while (item := loop.advance(results)) is not None:
                 if isinstance(item, StepOutput):
@@ -477,17 +496,15 @@ class Verify(_Stage):
                         yield fell_back.pop()
                     yield item
                     results = None
+                elif item.verify_proposal:
+                    results = await propose_and_verify(item.propose)
                 else:
                     results = await execute_async(item, propose, verify)
         finally:
             self.batcher.forget(request_id)
             self._executor.submit(self.engine.close, request_id)  # (on the engine thread: after an open running there)
             if local:
-                self.draft_batcher.forget(request_id)
                 self._executor.submit(self.drafts.close, request_id)
-
-    async def _propose_pass(self, calls: list[ProposeCall]) -> list:
-        return await self._run(self.drafts.propose_batch, calls)
 
     async def policy_state(self) -> dict:
         """What the adaptive policy of ``speculate`` has learned on this replica, per drafter (services.policy.describe)."""
@@ -512,8 +529,17 @@ class Verify(_Stage):
         return await self.batcher.submit(VerifyCall(request_id, list(draft_ids), draft_probs,
                                                     tree_parents=tuple(tree_parents) if tree_parents else None))
 
-    async def _verify_pass(self, calls: list[VerifyCall]) -> list:
-        return await self._run(self.engine.verify_batch, calls)
+    async def _verify_pass(self, calls: list[VerifyCall | ChainedCall]) -> list:
+        """One target pass; with chained calls (``speculate`` with the local drafter), their proposals in one draft
+        pass right before it, on the engine thread (services.chained)."""
+        proposals = [call.propose for call in calls if isinstance(call, ChainedCall)]
+        if not proposals:
+            return await self._run(self.engine.verify_batch, calls)
+        results = await self._run(run_chained, self.drafts, self.engine, calls)
+        self.draft_passes += 1
+        self.draft_largest_pass = max(self.draft_largest_pass, len(proposals))
+        self.draft_metrics.batched_pass(len(proposals), sum(p.rows for p in proposals))
+        return results
 
     async def close(self, request_id: str) -> None:
         self.batcher.forget(request_id)

@@ -148,10 +148,13 @@ class Verify:
 
 @dataclass
 class Calls:
-    """The stage calls of one round; when both are set they run concurrently."""
+    """The stage calls of one round; when both are set they run concurrently. ``verify_proposal``: the proposal's
+    drafts are verified right after it, as one call (``verify`` unset; a drafter next to the target, see
+    ``SpeculativeLoop``'s ``chained``)."""
 
     propose: Propose | None = None
     verify: Verify | None = None
+    verify_proposal: bool = False
 
 
 @dataclass
@@ -168,7 +171,7 @@ class SpeculativeLoop:
 
     def __init__(self, first_token: int, *, max_new_tokens: int, eos: set[int], num_draft_tokens: int,
                  drafting: bool, policy: AdaptiveK | None = None, overlap: bool = False, guesses: int = 1,
-                 stats: SpeculationStats | None = None, tree_width: int = 1):
+                 stats: SpeculationStats | None = None, tree_width: int = 1, chained: bool = False):
         self.first_token = first_token
         self.max_new_tokens = max_new_tokens
         self.eos = eos
@@ -178,6 +181,9 @@ class SpeculativeLoop:
         self.overlap = overlap
         self.guesses = guesses  # top guesses of the target's next token that a pre-draft drafts a block after
         self.tree_width = tree_width  # > 1: each step drafts a tree, the chain and width - 1 side nodes a level
+        # a step that drafts asks for its proposal and the verification of its drafts in one round
+        # (Calls.verify_proposal): where the drafter runs next to the target, one engine call a step instead of two
+        self.chained = chained
         self.stats = stats if stats is not None else SpeculationStats()  # filled as the loop runs
         self._steps = None
         self._resume = False
@@ -216,7 +222,7 @@ class SpeculativeLoop:
             if self.policy is not None and calls_s is not None:  # the last step's wall time beyond its stage calls
                 self.policy.costs.observe_overhead(now - step_start - calls_s)
             step_start, calls_s = now, 0.0
-            pre_draft = None
+            pre_draft, verified = None, False
             if self.drafting and self.overlap:
                 block, block_probs = block[: remaining - 1], block_probs[: remaining - 1] if block_probs is not None else None
                 if remaining > 1:  # (at 1, this step's token is the last)
@@ -228,7 +234,8 @@ class SpeculativeLoop:
                 k = self._choose_k(remaining)
                 block, block_probs, parents = [], None, None
                 if k > 0:
-                    results = yield Calls(propose=Propose(k, accepts, width=self.tree_width))
+                    verified = self.chained
+                    results = yield Calls(propose=Propose(k, accepts, width=self.tree_width), verify_proposal=verified)
                     calls_s += results.propose_s
                     if results.draft_failed:
                         self.drafting = False
@@ -239,7 +246,8 @@ class SpeculativeLoop:
                         parents = results.proposal.parents
                         accepts = []
                 caught_up = k > 0
-            results = yield Calls(propose=pre_draft, verify=Verify(block, block_probs, parents))
+            if not verified:
+                results = yield Calls(propose=pre_draft, verify=Verify(block, block_probs, parents))
             calls_s = None if pre_draft is not None else calls_s + results.verify_s  # overlapped calls: not comparable
             verdict = results.verdict
             chain = len(block) if parents is None else chain_length(parents)  # the block's depth
@@ -312,6 +320,7 @@ def speculative_decode(
     guesses: int | None = None,
     stats: SpeculationStats | None = None,
     tree_width: int = 1,
+    chained: bool = False,
 ) -> Iterator[StepOutput]:
     """Yield each step's new tokens until EOS or ``max_new_tokens``. ``draft=None`` turns speculation off.
 
@@ -319,7 +328,8 @@ def speculative_decode(
     k is ``num_draft_tokens`` throughout. With ``overlap`` the drafter pre-drafts in a second thread while the
     target verifies (torch releases the GIL in its kernels), ``guesses`` of the target's next token each (default:
     ``PRE_DRAFT_GUESSES`` of the drafter). ``stats``, if given, is filled as the loop runs. ``tree_width`` > 1: a
-    greedy request drafts trees (services.tree).
+    greedy request drafts trees (services.tree). ``chained``: each drafting step is one round, its proposal and the
+    verification of its drafts (as a verify replica with its own drafter runs it); the answer is the same.
     """
     request_id = request_id or uuid.uuid4().hex
     target = prefill.target
@@ -340,7 +350,7 @@ def speculative_decode(
         loop = SpeculativeLoop(result.first_token, max_new_tokens=max_new_tokens, eos=target.eos_token_ids,
                                num_draft_tokens=num_draft_tokens, drafting=draft is not None, policy=policy,
                                overlap=overlap, guesses=guesses or PRE_DRAFT_GUESSES[drafter], stats=stats,
-                               tree_width=tree_width if params.greedy and not overlap else 1)
+                               tree_width=tree_width if params.greedy and not overlap else 1, chained=chained)
         yield from drive(loop, draft, verify, request_id, pool)
     finally:
         if pool is not None:
@@ -364,6 +374,12 @@ def drive(loop: SpeculativeLoop, draft: DraftEngine | None, verify: VerifyEngine
 
 def _execute(calls: Calls, draft: DraftEngine, verify: VerifyEngine, request_id: str, pool) -> Results:
     results = Results()
+    if calls.verify_proposal:  # one after the other
+        proposed = _execute(Calls(propose=calls.propose), draft, verify, request_id, pool)
+        p = proposed.proposal
+        verified = _execute(Calls(verify=Verify(p.token_ids, p.probs, p.parents)), draft, verify, request_id, pool)
+        proposed.verdict, proposed.verify_s = verified.verdict, verified.verify_s
+        return proposed
 
     def propose():
         start = time.perf_counter()
