@@ -421,8 +421,8 @@ class Verify(_Stage):
         SessionOpened, then prefill's token and every step's StepOutput (a DraftFallback before the step after
         drafting failed; the answer is the same).
 
-        Verify calls join this replica's batched passes directly, and the delivery of a step to the ingress
-        overlaps the next step. Proposals come from this replica's own drafter (``spec.draft_replica`` "", with
+        Verify calls join this replica's batched passes directly, and the steps run in a task of their own, so that
+        the delivery of a step to the ingress overlaps the next step. Proposals come from this replica's own drafter (``spec.draft_replica`` "", with
         speculation.colocate_drafter: no stage hop at all, and a step is one call of the batched passes, its
         proposal drafted in the pass right before its verification — services.chained; the drafter's session
         starts here over ``spec.prompt_ids`` and the prefill's features) or from the draft replica holding the
@@ -431,6 +431,7 @@ class Verify(_Stage):
         handoff, params, features = opening
         local = spec.drafting and not spec.draft_replica
         fell_back: list[DraftFallback] = []  # at most one: then drafting is off
+        stepping = None
 
         def draft_failed(exc: BaseException) -> None:
             """A draft failure: the request goes on with the target alone (the answer is the same); anything else
@@ -489,18 +490,37 @@ class Verify(_Stage):
             loop = SpeculativeLoop(first_token, max_new_tokens=spec.max_new_tokens,
                                    eos=set(spec.eos), num_draft_tokens=spec.num_draft_tokens, drafting=drafting,
                                    policy=policy, tree_width=spec.tree_width, chained=local)
-            results = None
-            while (item := loop.advance(results)) is not None:
-                if isinstance(item, StepOutput):
-                    if fell_back:
-                        yield fell_back.pop()
-                    yield item
-                    results = None
-                elif item.verify_proposal:
-                    results = await propose_and_verify(item.propose)
-                else:
-                    results = await execute_async(item, propose, verify)
+            outputs: asyncio.Queue = asyncio.Queue()  # per step: DraftFallback?, StepOutput; then None or the exception
+
+            async def steps() -> None:
+                """The loop, in a task of its own: the next step's calls go out as soon as a step's verdict is in,
+                while the stream delivers that step (as ``decode``'s steps do)."""
+                results = None
+                try:
+                    while (item := loop.advance(results)) is not None:
+                        if isinstance(item, StepOutput):
+                            if fell_back:
+                                outputs.put_nowait(fell_back.pop())
+                            outputs.put_nowait(item)
+                            results = None
+                        elif item.verify_proposal:
+                            results = await propose_and_verify(item.propose)
+                        else:
+                            results = await execute_async(item, propose, verify)
+                    outputs.put_nowait(None)
+                except Exception as exc:  # noqa: BLE001 - raised to the reader
+                    outputs.put_nowait(exc)
+                finally:
+                    self.batcher.forget(request_id)  # no further call comes: the next pass must not wait for one
+
+            stepping = asyncio.get_running_loop().create_task(steps())
+            while (output := await outputs.get()) is not None:
+                if isinstance(output, Exception):
+                    raise output
+                yield output
         finally:
+            if stepping is not None:
+                stepping.cancel()
             self.batcher.forget(request_id)
             self._executor.submit(self.engine.close, request_id)  # (on the engine thread: after an open running there)
             if local:
