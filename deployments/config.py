@@ -70,7 +70,7 @@ class SpeculationDefaults(_Strict):
     )
     tree_width: int = Field(
         3, ge=1, le=MAX_TREE_WIDTH, description="candidates per draft position for greedy requests: > 1 drafts a tree, "
-        "the chain and the drafter's next most likely tokens at each depth, verified in one pass (services.tree; "
+        "the chain and the drafter's next most likely tokens at its first depth, verified in one pass (services.tree; "
         "exact for greedy decoding, sampled requests draft chains)",
     )
     verify_driven: bool = Field(False, description="experimental, with colocate_drafter off: a speculating request "

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from services.draft import DraftEngine, DraftProposal, ProposeCall
+from services.tree import tree_rows
 from services.verify import VerifyCall, VerifyEngine, VerifyResult
 
 
@@ -33,7 +34,7 @@ class ChainedCall:
     @property
     def rows(self) -> int:
         """Rows it adds to the target pass at most: its pending token and its drafts (a tree's included)."""
-        return self.propose.k * self.propose.width + 1
+        return tree_rows(self.propose.k, self.propose.width)
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ from services.prompt_lookup import find_candidates
 from services.runner import make_runner
 from services.sampling import SamplingParams, logits_to_probs, make_generator, sample
 from services.sessions import DEFAULT_MAX_KV_BYTES, DEFAULT_MAX_SESSIONS, SessionStore
-from services.tree import MAX_TREE_WIDTH, side_ids, with_sides
+from services.tree import MAX_TREE_WIDTH, side_ids, side_widths, with_sides
 from services.validation import MAX_DRAFT_TOKENS, validate_num_draft_tokens, validate_prompt
 
 DRAFT_STREAM = 1  # random stream of draft samples (see sampling.make_generator)
@@ -95,7 +95,7 @@ class ProposeCall:
     forced: Sequence[int] = ()
     guesses: int = 0
     accepts: Sequence[tuple] = ()  # the verdicts since the last proposal: (n_matches, next_token, features)
-    width: int = 1  # > 1: a draft tree, the chain and width - 1 side nodes at each depth (greedy only; services.tree)
+    width: int = 1  # > 1: a draft tree, the chain and width - 1 side nodes at its first depth (greedy only; services.tree)
 
     @property
     def rows(self) -> int:
@@ -156,14 +156,15 @@ class ModelDraftSession:
 
     def _sample_chain(self, uncached: torch.Tensor, k: int, sides: list | None = None, width: int = 1):
         """k tokens, each from the logits of a forward pass over the uncached tokens (a generator of Forward);
-        ``sides`` (greedy): filled with each depth's next ``width - 1`` most likely ids."""
+        ``sides`` (greedy): filled with each depth's next most likely ids (``tree.side_widths``)."""
         token_ids, q_rows = [], []
         for _ in range(k):
             logits = yield Forward(uncached, self.cache)  # [1, vocab_size]
             if self.params.greedy:  # q is one-hot at the argmax: no need to build it
                 x = logits.argmax(dim=-1)  # [1]
                 if sides is not None:
-                    sides.append(side_ids(logits[0], width, int(x[0])))
+                    wide = side_widths(k, width)[len(token_ids)] + 1
+                    sides.append(side_ids(logits[0], wide, int(x[0])) if wide > 1 else [])
             else:
                 q = logits_to_probs(logits, self.params)  # [1, vocab_size]
                 x = sample(q, self.generator)  # [1]

@@ -9,8 +9,9 @@ and costs, as the driver measures it (seconds, moving averages),
 
     T(k) = verify(k + 1) + [k > 0] propose(k) + overhead
 
-(a request that drafts trees of width w, services.tree: verify(1 + k w), and
-a_j is the acceptance of any of depth j's w candidates)
+(a request that drafts trees of width w, services.tree: verify(k + w) over
+the chain and the first depth's w - 1 side nodes, and a_1 is the acceptance
+of any of the first depth's w candidates)
 
 where ``propose`` includes whatever the driver pays to reach the drafter (a
 Ray call in the graph, nothing in-process) and ``overhead`` is what every
@@ -46,6 +47,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+
+from services.tree import tree_rows
 
 EMA_WEIGHT = 0.2  # weight of a new measurement in the moving averages
 OUTLIER_CAP = 2.0  # a measurement counts as at most this many times the current average
@@ -156,7 +159,7 @@ class AdaptiveK:
     probe_interval: int = 0  # steps at k = 0 before the next probe (starts at probe_every)
     load: Callable[[], int] | None = None  # requests the driver is serving now, this one included
     max_load: int = 0  # above this load, k = 0: the verifier batches sessions' rows instead (0 = no limit)
-    width: int = 1  # the request drafts trees of this width (services.tree): a step of k verifies 1 + k * width rows
+    width: int = 1  # the request drafts trees of this width (services.tree): a step of k verifies tree_rows(k, width)
 
     def __post_init__(self):
         self.probe_interval = self.probe_interval or self.probe_every
@@ -206,7 +209,7 @@ class AdaptiveK:
         return gains[best] / self._step(best) >= (1 + self.margin) / self.costs.off_step_s
 
     def _step(self, k: int) -> float | None:
-        return self.costs.step(k, 1 + k * self.width)
+        return self.costs.step(k, tree_rows(k, self.width))
 
     @property
     def overloaded(self) -> bool:

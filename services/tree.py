@@ -1,12 +1,15 @@
 """Draft trees: a verify block of several candidate continuations, checked in one target pass (greedy only).
 
 A chain proposes one token per position; a tree also proposes the drafter's
-next most likely tokens at each position, as siblings (SpecInfer, arXiv
-2305.09781; EAGLE-2's draft trees, arXiv 2406.16858). Here the tree is the
-chain plus ``width - 1`` side nodes at each depth, children of the chain
-node above them: the drafter already computed their logits along the chain,
-so a tree costs no more drafting than its chain, and on a memory-bound
-target a pass over 7 rows costs about what a pass over 3 does.
+next most likely tokens as siblings (SpecInfer, arXiv 2305.09781; EAGLE-2's
+draft trees, arXiv 2406.16858). Here the tree is the chain plus ``width - 1``
+side nodes at its first depth, children of the pending token: the drafter
+already computed their logits, so a tree costs no more drafting than its
+chain, and on a memory-bound target a pass over a few more rows costs about
+what the chain's does. Deeper depths get no side nodes (``side_widths``): a
+side node at depth d is only reached when the chain's first d - 1 tokens are
+accepted (about half of the steps at depth 2), so it adds less than it costs
+once a pass outgrows the rows it takes for free.
 
 The target scores every node in one pass: node i attends to the cached
 context, the pending token and its own ancestors only (a tree attention mask,
@@ -31,12 +34,23 @@ import torch
 
 from services.errors import InvalidRequestError
 
-MAX_TREE_WIDTH = 4  # candidates per depth (the chain's and 3 side nodes); a tree's rows grow as k x width
+MAX_TREE_WIDTH = 4  # candidates at the first depth (the chain's and 3 side nodes)
 
 
 def chain_parents(k: int) -> list[int]:
     """The parents of a chain of k drafts: each node's parent is the row before it."""
     return list(range(k))
+
+
+def side_widths(chain_len: int, width: int) -> list[int]:
+    """Side nodes per depth of a tree of ``width`` over a chain of ``chain_len``: ``width - 1`` at the first, none
+    deeper (see the module docstring)."""
+    return [width - 1] + [0] * (chain_len - 1) if chain_len else []
+
+
+def tree_rows(k: int, width: int) -> int:
+    """Rows a verify pass over a step of k drafts takes: the pending token, the chain and its side nodes."""
+    return 1 + k + (width - 1 if k else 0)
 
 
 def side_tree(chain_len: int, width: int) -> list[int]:

@@ -9,7 +9,7 @@ from services.errors import InvalidRequestError
 from services.loop import generate
 from services.runner import make_runner
 from services.sampling import SamplingParams
-from services.tree import DraftTree, chain_length, side_tree, with_sides
+from services.tree import DraftTree, chain_length, side_tree, side_widths, tree_rows, with_sides
 from services.verify import VerifyEngine
 from tests.conftest import greedy_reference
 from tests.services.test_engine import NEW_TOKENS, PROMPTS
@@ -35,6 +35,29 @@ def test_tree_shape():
     for bad in [(1,), (0, 2), (0, -1)]:
         with pytest.raises(InvalidRequestError):
             DraftTree.checked(bad, len(bad))
+
+
+def test_drafters_put_side_nodes_at_the_first_depth_only(tiny):
+    """A proposal of k drafts and width w: the chain, then w - 1 side nodes at the first depth (children of the
+    pending token), none deeper — k + w rows to verify (``tree_rows``), for the model drafter and EAGLE alike."""
+    from services.draft import DraftEngine
+    from services.prefill import PrefillEngine
+    from tests.services.test_eagle_drafter import random_head
+
+    assert side_widths(3, 3) == [2, 0, 0] and side_widths(1, 4) == [3] and side_widths(0, 3) == []
+    assert [tree_rows(k, 3) for k in range(4)] == [1, 4, 5, 6] and tree_rows(2, 1) == 3
+    target, draft = tiny
+    prefill, drafts = PrefillEngine(target), DraftEngine(draft, eagle_head=random_head(target))
+    prompt = [1, 5, 7, 9]
+    result = prefill.prefill(prompt, SamplingParams(), features=True)
+    for drafter in ("model", "eagle"):
+        drafts.start(drafter, prompt, SamplingParams(), drafter, result.features)
+        drafts.accept(drafter, 0, result.first_token)
+        proposal = drafts.propose(drafter, 3, width=3)
+        assert proposal.parents == [0, 1, 2, 0, 0], (drafter, proposal.parents)
+        assert len(proposal.token_ids) == tree_rows(3, 3) - 1
+        assert len(set(proposal.token_ids[:1] + proposal.token_ids[3:])) == 3  # the first depth's 3 candidates
+        drafts.close(drafter)
 
 
 @pytest.mark.parametrize("compiled", [True, False], ids=["decode_attention", "sdpa"])
