@@ -100,6 +100,7 @@ class CostModel:
     verify_s: dict[int, float] = field(default_factory=dict)
     propose_s: dict[int, float] = field(default_factory=dict)
     overhead_s: float = 0.0  # per step, beyond the stage calls
+    min_propose_s: dict[int, float] = field(default_factory=dict)  # the fastest proposal of each k (a benchmark's ideal)
     # per token of a request decoding without a drafter, as the driver sees it (None: not measured). A driver that
     # decodes such requests faster than a k = 0 step of a speculating request (the graph streams them) sets it, and
     # ``RequestGate`` weighs speculation against it
@@ -113,6 +114,7 @@ class CostModel:
 
     def observe_propose(self, k: int, seconds: float) -> None:
         _ema(self.propose_s, k, seconds)
+        self.min_propose_s[k] = min(seconds, self.min_propose_s.get(k, seconds))
 
     def observe_overhead(self, seconds: float) -> None:
         self.overhead_s = max(0.0, _moving_average(self.overhead_s or None, seconds))
@@ -264,6 +266,7 @@ def describe(costs: CostModel, counts: AcceptanceCounts | None) -> dict:
     return {
         "verify_ms": {n: round(s * 1000, 2) for n, s in sorted(costs.verify_s.items())},
         "propose_ms": {k: round(s * 1000, 2) for k, s in sorted(costs.propose_s.items())},
+        "min_propose_ms": {k: round(s * 1000, 3) for k, s in sorted(costs.min_propose_s.items())},
         "overhead_ms": round(costs.overhead_s * 1000, 2),
         "off_step_ms": round(costs.off_step_s * 1000, 2) if costs.off_step_s is not None else None,
         "acceptance_by_position": [round(counts.rate(j), 3) for j in range(len(counts.reached))] if counts else [],

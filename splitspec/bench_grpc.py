@@ -8,6 +8,14 @@ The ideal of a policy is an upper bound for its measured acceptance: every
 verify step (k + 1 tokens scored) costs what one step of speculation off
 costs, measured in the same run, and drafting costs nothing — so
 ideal = off tok/s x tokens per step (prefill's token counted as a step).
+
+The ideal for the measured costs (``add_drafting_ideal``, with the server's
+policy state) also charges drafting, at its fastest measured cost: the run
+took at least (drafted / tree width) chain tokens (a tree step of k chain
+tokens drafts k + width - 1 <= k x width nodes), each costing at least the
+least seconds per token of any proposal the server timed (a proposal of k
+costs at least k times that) — still an upper bound on what the policy could
+reach with its acceptance, as ``splitspec bench engine``'s ideal is.
 """
 
 from __future__ import annotations
@@ -86,9 +94,30 @@ def run(client: SpecDecodeClient, *, num_prompts: int = 8, max_new_tokens: int =
             "ideal_tok_s": round(ideal, 2),
             "fraction_of_ideal": round(tok_s / ideal, 3),
             "median_ttft_ms": round(sorted(t["ttft_ms"])[len(t["ttft_ms"]) // 2], 1),
+            "tokens": t["tokens"], "steps": t["steps"], "drafted": t["drafted"],
         }
     report["greedy_identical"] = all(answers[name] == answers["off"] for name in chosen)
     return report
+
+
+def add_drafting_ideal(report: dict, state: dict, tree_width: int) -> None:
+    """Each drafting policy's ideal for the measured costs (module docstring): ``ideal_with_drafting_tok_s`` and
+    ``fraction_of_ideal_with_drafting``, from the fastest proposals in ``state`` (the ingress's ``policy_state``,
+    its own drafters' and its verify replica's) and the server's ``tree_width``."""
+    places = [state, state.get("verify_replica") or {}]
+    per_token_s = {}  # drafter -> the least seconds per drafted chain token of any timed proposal
+    for place in places:
+        for drafter, learned in place.items():
+            for k, ms in (learned.get("min_propose_ms") or {}).items() if isinstance(learned, dict) else ():
+                per_token_s[drafter] = min(per_token_s.get(drafter, float("inf")), ms / 1000 / int(k))
+    default = next((d for d in ("eagle", "model") if d in per_token_s), None)  # the server default's drafter
+    for name, r in report["policies"].items():
+        drafter = POLICIES.get(name, {}).get("drafter", default)
+        if not r["drafted"] or drafter not in per_token_s:
+            continue
+        seconds = r["tokens"] / r["ideal_tok_s"] + r["drafted"] / tree_width * per_token_s[drafter]
+        r["ideal_with_drafting_tok_s"] = round(r["tokens"] / seconds, 2)
+        r["fraction_of_ideal_with_drafting"] = round(r["tok_s"] * seconds / r["tokens"], 3)
 
 
 def plot(report: dict, path: str) -> None:

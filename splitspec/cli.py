@@ -277,12 +277,16 @@ def cmd_bench_grpc(args) -> int:
             ingress = serve.get_deployment_handle("SpecDecodeIngress", app_name=cluster.DEFAULT_APP_NAME)
             report["server_policy_state"] = ingress.policy_state.remote().result(timeout_s=30)
             print(f"server's adaptive policy state: {json.dumps(report['server_policy_state'])}")
+            bench_grpc.add_drafting_ideal(report, report["server_policy_state"],
+                                          _load_config(args.config).speculation.tree_width)
     print(f"\ngRPC, single stream, greedy, {report['prompts']} {report['prompt_set']} prompts x {report['max_new_tokens']} tokens:")
     for name, r in report["policies"].items():
         acc = "" if r["acceptance_rate"] is None else f", acceptance {r['acceptance_rate']:.1%}, mean accepted length {r['mean_accepted_length']:.2f}"
         hits = "" if r["overlap_hit_rate"] is None else f", pre-draft hits {r['overlap_hit_rate']:.0%}"
+        costed = "" if "ideal_with_drafting_tok_s" not in r else (
+            f"; with drafting at its fastest {r['ideal_with_drafting_tok_s']:.2f}, {r['fraction_of_ideal_with_drafting']:.0%}")
         print(f"  {name:<26} {r['tok_s']:6.2f} tok/s = {r['ratio_vs_off']:.2f}x off (ideal {r['ideal_tok_s']:.2f}, "
-              f"{r['fraction_of_ideal']:.0%} of it); median ttft {r['median_ttft_ms']:.0f} ms{acc}{hits}")
+              f"{r['fraction_of_ideal']:.0%} of it{costed}); median ttft {r['median_ttft_ms']:.0f} ms{acc}{hits}")
     print(f"greedy identical across policies: {report['greedy_identical']}")
     return _write_report(args, report, bench_grpc.plot)
 
