@@ -52,7 +52,7 @@ class Linear:
         self.weight_t = weight.t().contiguous()  # [in, out]
         self.packed = None  # [ceil(out / 64), in, 64]: the kernel's layout, where it is built (float32 weights)
         self.weight = None  # [out, in]: for the BLAS variants that only run without the kernel
-        if weight.dtype == torch.float32 and kernels.skinny_gemm() is not None:
+        if weight.dtype == torch.float32 and weight.device.type == "cpu" and kernels.skinny_gemm() is not None:
             self.packed = kernels.pack_weight(weight).to(storage or torch.float32)  # (exact: the values are rounded)
         else:
             self.weight = weight.contiguous()
