@@ -33,6 +33,7 @@ POLICIES = {
     "eagle k=1": dict(speculate=True, drafter="eagle", num_draft_tokens=1),
     "eagle k=2": dict(speculate=True, drafter="eagle", num_draft_tokens=2),
     "eagle k=3": dict(speculate=True, drafter="eagle", num_draft_tokens=3),
+    "eagle k=4": dict(speculate=True, drafter="eagle", num_draft_tokens=4),
     "prompt_lookup k=3": dict(speculate=True, drafter="prompt_lookup", num_draft_tokens=3),
     "eagle k=1 overlap": dict(speculate=True, drafter="eagle", num_draft_tokens=1, overlap=True),
     "eagle k=2 overlap": dict(speculate=True, drafter="eagle", num_draft_tokens=2, overlap=True),
