@@ -10,6 +10,7 @@ import grpc
 import pytest
 import ray
 
+from services.tree import tree_rows
 from splitspec.client import SpecDecodeClient
 from tests.serving.conftest import BOUND_S, MAX_NEW_TOKENS, arm, handle, held, make_config, serving, until
 
@@ -171,7 +172,7 @@ def test_draft_replica_lost_then_speculation_resumes(client, expected):
         chunks = answer.result(timeout=BOUND_S)
     assert _tokens(chunks) == expected(LONG[2], 48)
     drafted = [c.drafted_tokens for c in chunks[1:]]  # (the first chunk is prefill's token)
-    per_step = PINNED["num_draft_tokens"] * make_config().speculation.tree_width  # a greedy step drafts a tree
+    per_step = tree_rows(PINNED["num_draft_tokens"], make_config().speculation.tree_width) - 1  # a greedy step drafts a tree
     assert drafted[:2] == [per_step] * 2 and drafted[2:5] == [0, 0, 0], drafted  # drafts, then the target alone
     assert any(drafted[5:]), drafted  # and drafts again
     assert chunks[-1].speculation_stats.fell_back
