@@ -489,7 +489,8 @@ class Verify(_Stage):
                                    max_load=self.config.speculation.off_above_concurrency, width=spec.tree_width)
             loop = SpeculativeLoop(first_token, max_new_tokens=spec.max_new_tokens,
                                    eos=set(spec.eos), num_draft_tokens=spec.num_draft_tokens, drafting=drafting,
-                                   policy=policy, tree_width=spec.tree_width, chained=local)
+                                   policy=policy, tree_width=spec.tree_width, chained=local,
+                                   costs=self.costs[spec.drafter] if drafting else None)
             outputs: asyncio.Queue = asyncio.Queue()  # per step: DraftFallback?, StepOutput; then None or the exception
 
             async def steps() -> None:

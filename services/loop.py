@@ -41,7 +41,7 @@ from typing import NamedTuple
 import torch
 
 from services.draft import EAGLE_DRAFTER, FEATURE_DRAFTERS, MODEL_DRAFTER, PROMPT_LOOKUP_DRAFTER, DraftEngine, DraftProposal
-from services.policy import AdaptiveK
+from services.policy import AdaptiveK, CostModel
 from services.prefill import PrefillEngine
 from services.sampling import SamplingParams
 from services.tree import chain_length
@@ -171,13 +171,17 @@ class SpeculativeLoop:
 
     def __init__(self, first_token: int, *, max_new_tokens: int, eos: set[int], num_draft_tokens: int,
                  drafting: bool, policy: AdaptiveK | None = None, overlap: bool = False, guesses: int = 1,
-                 stats: SpeculationStats | None = None, tree_width: int = 1, chained: bool = False):
+                 stats: SpeculationStats | None = None, tree_width: int = 1, chained: bool = False,
+                 costs: CostModel | None = None):
         self.first_token = first_token
         self.max_new_tokens = max_new_tokens
         self.eos = eos
         self.num_draft_tokens = num_draft_tokens  # k, or the largest k when ``policy`` picks it
         self.drafting = drafting  # turned off for good by a draft-stage failure
         self.policy = policy
+        # where the step costs are recorded: the policy's own, else ``costs`` (a pinned k's steps, for the driver's
+        # record: the policy of later requests, a benchmark's fastest proposal); None = nowhere
+        self.costs = policy.costs if policy is not None else costs
         self.overlap = overlap
         self.guesses = guesses  # top guesses of the target's next token that a pre-draft drafts a block after
         self.tree_width = tree_width  # > 1: each step drafts a tree, the chain and width - 1 side nodes a level
@@ -219,8 +223,8 @@ class SpeculativeLoop:
             self._resume = False
             remaining = self.max_new_tokens - generated
             now = time.perf_counter()
-            if self.policy is not None and calls_s is not None:  # the last step's wall time beyond its stage calls
-                self.policy.costs.observe_overhead(now - step_start - calls_s)
+            if self.costs is not None and calls_s is not None:  # the last step's wall time beyond its stage calls
+                self.costs.observe_overhead(now - step_start - calls_s)
             step_start, calls_s = now, 0.0
             pre_draft, verified = None, False
             if self.drafting and self.overlap:
@@ -240,8 +244,8 @@ class SpeculativeLoop:
                     if results.draft_failed:
                         self.drafting = False
                     else:
-                        if caught_up and self.policy is not None:  # otherwise the call also caught the drafter up
-                            self.policy.costs.observe_propose(k, results.propose_s)
+                        if caught_up and self.costs is not None:  # otherwise the call also caught the drafter up
+                            self.costs.observe_propose(k, results.propose_s)
                         block, block_probs = results.proposal.token_ids, results.proposal.probs
                         parents = results.proposal.parents
                         accepts = []
@@ -251,8 +255,9 @@ class SpeculativeLoop:
             calls_s = None if pre_draft is not None else calls_s + results.verify_s  # overlapped calls: not comparable
             verdict = results.verdict
             chain = len(block) if parents is None else chain_length(parents)  # the block's depth
+            if self.costs is not None:
+                self.costs.observe_verify(len(block) + 1, results.verify_s)
             if self.policy is not None:
-                self.policy.costs.observe_verify(len(block) + 1, results.verify_s)
                 self.policy.observe(chain, verdict.n_matches)
             if results.draft_failed:
                 self.drafting = False

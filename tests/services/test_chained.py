@@ -85,3 +85,23 @@ def test_the_chained_loop_equals_target_alone(tiny, drafter, k, width):
                             drafter=drafter, tree_width=width, chained=chained) for chained in (False, True)]
         assert results[1].token_ids == results[0].token_ids == greedy_reference(target.model, prompt, NEW_TOKENS)
         assert (results[1].stats.steps, results[1].stats.accepted) == (results[0].stats.steps, results[0].stats.accepted)
+
+
+def test_a_pinned_loop_records_its_costs(tiny):
+    """A loop without a policy (k pinned) records its step costs where the driver asks (the verify replica keeps
+    them per drafter: the policy of later requests, and bench grpc's fastest proposal)."""
+    from services.loop import SpeculativeLoop, drive
+    from services.policy import CostModel
+
+    target, draft = tiny
+    prefill, drafts, verifier = PrefillEngine(target), DraftEngine(draft), VerifyEngine(target)
+    prompt, params = PROMPTS[0], SamplingParams()
+    result = prefill.prefill(prompt, params)
+    drafts.start("pinned", prompt, params, "model")
+    verifier.open("pinned", result.payload, result.first_token, params)
+    costs = CostModel()
+    loop = SpeculativeLoop(result.first_token, max_new_tokens=16, eos=set(), num_draft_tokens=2, drafting=True,
+                           chained=True, costs=costs)
+    tokens = [t for step in drive(loop, drafts, verifier, "pinned") for t in step.token_ids]
+    assert tokens == greedy_reference(target.model, prompt, 16)
+    assert 2 in costs.propose_s and costs.min_propose_s[2] <= costs.propose_s[2] and 3 in costs.verify_s
