@@ -421,13 +421,14 @@ class Verify(_Stage):
         SessionOpened, then prefill's token and every step's StepOutput (a DraftFallback before the step after
         drafting failed; the answer is the same).
 
-        Verify calls join this replica's batched passes directly, and the steps run in a task of their own, so that
-        the delivery of a step to the ingress overlaps the next step. Proposals come from this replica's own drafter (``spec.draft_replica`` "", with
-        speculation.colocate_drafter: no stage hop at all, and a step is one call of the batched passes, its
-        proposal drafted in the pass right before its verification — services.chained; the drafter's session
-        starts here over ``spec.prompt_ids`` and the prefill's features) or from the draft replica holding the
-        request's session, asked directly (one hop a step instead of two). With ``spec.adaptive`` the replica's own policy picks k for every step from what it
-        measured here. The sessions this call opened close when it ends, whatever ended it."""
+        Verify calls join this replica's batched passes directly, and the steps run in a task of their own, so
+        that the delivery of a step to the ingress overlaps the next step. Proposals come from this replica's own
+        drafter (``spec.draft_replica`` "", with speculation.colocate_drafter: no stage hop at all, and a step is
+        one call of the batched passes, its proposal drafted in the pass right before its verification —
+        services.chained; the drafter's session starts here over ``spec.prompt_ids`` and the prefill's features)
+        or from the draft replica holding the request's session, asked directly (one hop a step instead of two).
+        With ``spec.adaptive`` the replica's own policy picks k for every step from what it measured here; a
+        pinned k's steps are recorded in the same costs. The sessions this call opened close when it ends, whatever ended it."""
         handoff, params, features = opening
         local = spec.drafting and not spec.draft_replica
         fell_back: list[DraftFallback] = []  # at most one: then drafting is off
