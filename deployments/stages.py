@@ -428,7 +428,8 @@ class Verify(_Stage):
         services.chained; the drafter's session starts here over ``spec.prompt_ids`` and the prefill's features)
         or from the draft replica holding the request's session, asked directly (one hop a step instead of two).
         With ``spec.adaptive`` the replica's own policy picks k for every step from what it measured here; a
-        pinned k's steps are recorded in the same costs. The sessions this call opened close when it ends, whatever ended it."""
+        pinned k's steps are recorded in the same costs. The sessions this call opened close when it ends,
+        whatever ended it."""
         handoff, params, features = opening
         local = spec.drafting and not spec.draft_replica
         fell_back: list[DraftFallback] = []  # at most one: then drafting is off
