@@ -32,7 +32,7 @@ from services.prompt_lookup import find_candidates
 from services.runner import make_runner
 from services.sampling import SamplingParams, logits_to_probs, make_generator, sample
 from services.sessions import DEFAULT_MAX_KV_BYTES, DEFAULT_MAX_SESSIONS, SessionStore
-from services.tree import MAX_TREE_WIDTH, side_ids, side_widths, with_sides
+from services.tree import MAX_TREE_WIDTH, side_ids, with_sides
 from services.validation import MAX_DRAFT_TOKENS, validate_num_draft_tokens, validate_prompt
 
 DRAFT_STREAM = 1  # random stream of draft samples (see sampling.make_generator)
@@ -156,15 +156,14 @@ class ModelDraftSession:
 
     def _sample_chain(self, uncached: torch.Tensor, k: int, sides: list | None = None, width: int = 1):
         """k tokens, each from the logits of a forward pass over the uncached tokens (a generator of Forward);
-        ``sides`` (greedy): filled with each depth's next most likely ids (``tree.side_widths``)."""
+        ``sides`` (greedy): filled with each depth's side nodes (``tree.side_ids``)."""
         token_ids, q_rows = [], []
         for _ in range(k):
             logits = yield Forward(uncached, self.cache)  # [1, vocab_size]
             if self.params.greedy:  # q is one-hot at the argmax: no need to build it
                 x = logits.argmax(dim=-1)  # [1]
                 if sides is not None:
-                    wide = side_widths(k, width)[len(token_ids)] + 1
-                    sides.append(side_ids(logits[0], wide, int(x[0])) if wide > 1 else [])
+                    sides.append(side_ids(logits[0], width, int(x[0]), depth=len(token_ids)))
             else:
                 q = logits_to_probs(logits, self.params)  # [1, vocab_size]
                 x = sample(q, self.generator)  # [1]

@@ -29,7 +29,7 @@ from services.errors import InvalidRequestError
 from services.loading import LoadedModel
 from services.models import eagle
 from services.sampling import SamplingParams, logits_to_probs, sample
-from services.tree import side_ids, side_widths, with_sides
+from services.tree import side_ids, with_sides
 
 logger = logging.getLogger(__name__)
 
@@ -144,14 +144,13 @@ class EagleDraftSession:
 
     def _sample_chain(self, logits: torch.Tensor, k: int, sides: list | None = None, width: int = 1):
         """k tokens sampled from the chain, starting from ``logits`` [N] over the kept ids (a generator of Rows);
-        ``sides`` (greedy): filled with each depth's next most likely ids (``tree.side_widths``)."""
+        ``sides`` (greedy): filled with each depth's side nodes (``tree.side_ids``)."""
         kept, token_ids, q_rows = self.head.kept_ids, [], []
         for i in range(k):
             if self.params.greedy:
                 x = int(kept[logits.argmax()])
                 if sides is not None:
-                    wide = side_widths(k, width)[i] + 1
-                    sides.append([int(kept[j]) for j in side_ids(logits, wide, int(logits.argmax()))] if wide > 1 else [])
+                    sides.append([int(kept[j]) for j in side_ids(logits, width, int(logits.argmax()), depth=i)])
             else:
                 q = logits_to_probs(scatter_kept(logits[None], kept, self.vocab_size), self.params)  # [1, vocab_size]
                 x = int(sample(q, self.generator)[0])

@@ -42,15 +42,20 @@ def chain_parents(k: int) -> list[int]:
     return list(range(k))
 
 
+def sides_at(depth: int, width: int) -> int:
+    """Side nodes at ``depth`` (0 = the first) of a tree of ``width``: ``width - 1`` at the first, none deeper (see
+    the module docstring). The one rule of the trees' shape."""
+    return width - 1 if depth == 0 else 0
+
+
 def side_widths(chain_len: int, width: int) -> list[int]:
-    """Side nodes per depth of a tree of ``width`` over a chain of ``chain_len``: ``width - 1`` at the first, none
-    deeper (see the module docstring)."""
-    return [width - 1] + [0] * (chain_len - 1) if chain_len else []
+    """Side nodes per depth of a tree of ``width`` over a chain of ``chain_len``."""
+    return [sides_at(depth, width) for depth in range(chain_len)]
 
 
 def tree_rows(k: int, width: int) -> int:
     """Rows a verify pass over a step of k drafts takes: the pending token, the chain and its side nodes."""
-    return 1 + k + (width - 1 if k else 0)
+    return 1 + k + sum(side_widths(k, width))
 
 
 def side_tree(chain_len: int, width: int) -> list[int]:
@@ -64,10 +69,14 @@ def chain_length(parents: Sequence[int]) -> int:
     return next((i for i, p in enumerate(parents) if p != i), len(parents))
 
 
-def side_ids(logits: torch.Tensor, width: int, chosen: int) -> list[int]:
-    """The ``width - 1`` most likely ids of ``logits`` [V] other than the chain's ``chosen`` one (a depth's side nodes)."""
-    top = torch.topk(logits, min(width, logits.shape[-1])).indices.tolist()
-    return [int(t) for t in top if t != chosen][: width - 1]
+def side_ids(logits: torch.Tensor, width: int, chosen: int, depth: int = 0) -> list[int]:
+    """The side nodes at ``depth`` of a tree of ``width`` (``sides_at``): the most likely ids of ``logits`` [V] other
+    than the chain's ``chosen`` one."""
+    n = sides_at(depth, width)
+    if n <= 0:
+        return []
+    top = torch.topk(logits, min(n + 1, logits.shape[-1])).indices.tolist()
+    return [int(t) for t in top if t != chosen][:n]
 
 
 def with_sides(chain: list[int], sides: list[list[int]]) -> tuple[list[int], list[int]]:
