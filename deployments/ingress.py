@@ -70,7 +70,24 @@ class _Sessions:
     draft_back: asyncio.Task | None = None  # after the draft stage was lost: resolves True once a draft replica answers
     decoding: DeploymentResponseGenerator | None = None  # without a drafter: the streamed call (``_decoded``)
     decoded_at: float | None = None  # time.perf_counter() when its last verdict came
-    opening: DeploymentResponse | None = None  # the verify session's open, until it has answered
+    # calls opening a session (verify open, draft start) whose answer the request has not taken yet: each is closed
+    # once it answers if the request ends first (SpecDecodeIngress._opening)
+    openings: dict[asyncio.Task, tuple[str, str]] = field(default_factory=dict)  # call -> (stage, session id)
+
+
+class _Opening:
+    """Awaitable answer of a call opening a session (``SpecDecodeIngress._opening``): awaiting it to its end hands
+    the session to the request (the caller pins the stage to its replica at once, without awaiting anything in
+    between, and closes it when the request ends); it may be awaited again, and a cancelled await leaves the call
+    running."""
+
+    def __init__(self, call: asyncio.Task, openings: dict):
+        self.call, self.openings = call, openings
+
+    def __await__(self):
+        opened = yield from asyncio.shield(self.call).__await__()
+        self.openings.pop(self.call, None)
+        return opened
 
 
 @serve.deployment(name="SpecDecodeIngress")
@@ -268,11 +285,12 @@ class SpecDecodeIngress(OpenAIRoutes):
             if plan.drafting and not colocated and "draft" in self.unplaceable:
                 self._fall_back(plan, StageUnavailableError(self.unplaceable["draft"]), "start")
             elif plan.drafting and not colocated and not features:
-                started = self.draft.start.remote(sid, plan.prompt_ids, params, plan.drafter)
+                started = self._opening(s, "draft", sid, lambda: self.draft.start.remote(sid, plan.prompt_ids, params, plan.drafter))
             handoff = await self._retrying(plan, "prefill", lambda: self.prefill.prefill.remote(plan.prompt_ids, params, features))
             timer.prefill_ms = timer.ms()
             if features and not colocated and not plan.fallback:
-                started = self.draft.start.remote(sid, plan.prompt_ids, params, plan.drafter, handoff)
+                started = self._opening(s, "draft", sid, lambda: self.draft.start.remote(
+                    sid, plan.prompt_ids, params, plan.drafter, handoff))
             draft_replica = ""
             if self.config.speculation.verify_driven and started is not None and not plan.overlap:
                 try:
@@ -294,12 +312,11 @@ class SpecDecodeIngress(OpenAIRoutes):
                 # follows the open on the replica, while the first token goes out
                 opening = anext(self._start_decoding(plan, s, plan.max_new_tokens - 1, opening=(handoff, params)))
             else:
-                opening = s.opening = self.verify.open.remote(sid, handoff, params, features)
+                opening = self._opening(s, "verify", sid, lambda: self.verify.open.remote(sid, handoff, params, features))
 
             def open_again():
                 self._stop_decoding(s)  # (a stream that failed to open goes with its failure)
-                s.opening = self.verify.open.remote(sid, handoff, params, features)
-                return s.opening
+                return self._opening(s, "verify", sid, lambda: self.verify.open.remote(sid, handoff, params, features))
             if started is not None:
                 try:
                     s.draft = self.draft.options(session_id=pin((await self._call("draft", started)).replica_id))
@@ -314,7 +331,7 @@ class SpecDecodeIngress(OpenAIRoutes):
                     raise
                 self._lost(plan, "prefill", exc, s)
                 opened = await self._open_verify(plan, s, plan.prompt_ids, handoff.first_token, params)
-            s.verify, s.opening = self.verify.options(session_id=pin(opened.replica_id)), None
+            s.verify = self.verify.options(session_id=pin(opened.replica_id))
             self._handed_off(handoff, opened, timer)
             first_token = handoff.first_token
             del handoff  # the last reference here: the object store frees the KV once the verifier holds it
@@ -340,12 +357,10 @@ class SpecDecodeIngress(OpenAIRoutes):
             # close both sessions without waiting (also when the client went away or the deadline passed)
             if s.verify is not None:
                 self._detached(s.verify.close.remote, s.verify_sid)
-            elif s.opening is not None:
-                self._close_when_opened(self.verify, sid, s.opening)
             if s.draft is not None:
                 self._detached(s.draft.close.remote, s.draft_sid)
-            elif started is not None:
-                self._close_when_opened(self.draft, sid, started)
+            for call, (stage, opening_sid) in s.openings.items():  # sessions whose replica the request never learnt
+                self._close_when_opened(self.draft if stage == "draft" else self.verify, opening_sid, call)
             if s.draft_back is not None:
                 s.draft_back.cancel()
 
@@ -526,8 +541,8 @@ class SpecDecodeIngress(OpenAIRoutes):
             handoff = await self._retrying(plan, "prefill", lambda: self.prefill.prefill.remote(ids, params, False))
             handoff = dataclasses.replace(handoff, first_token=pending)  # (prefill's own next token is not used)
             try:
-                return await self._retrying(plan, "verify", lambda: self.verify.open.remote(
-                    s.verify_sid, handoff, params, s.features))
+                return await self._retrying(plan, "verify", lambda: self._opening(
+                    s, "verify", s.verify_sid, lambda: self.verify.open.remote(s.verify_sid, handoff, params, s.features)))
             except Exception as exc:  # noqa: BLE001
                 if not isinstance(unwrap(exc), ray_exceptions.ObjectLostError):
                     raise
@@ -569,7 +584,8 @@ class SpecDecodeIngress(OpenAIRoutes):
             handoff = None
             if s.features:  # the drafter needs the target's features of all those tokens
                 handoff = await self._retrying(plan, "prefill", lambda: self.prefill.prefill.remote(ids, params, True))
-            opened = await self._call("draft", self.draft.start.remote(s.draft_sid, ids, params, plan.drafter, handoff))
+            opened = await self._call("draft", self._opening(
+                s, "draft", s.draft_sid, lambda: self.draft.start.remote(s.draft_sid, ids, params, plan.drafter, handoff)))
         except Exception as exc:  # noqa: BLE001 - stay with the target alone
             if not isinstance(unwrap(exc), DRAFT_FAILURES + REPLICA_LOST):
                 raise
@@ -608,10 +624,21 @@ class SpecDecodeIngress(OpenAIRoutes):
         self.metrics.fallback(f"{when}: {kind}")
         plan.fallback = True
 
+    def _opening(self, s: _Sessions, stage: str, sid: str, make_call: Callable[[], DeploymentResponse]) -> _Opening:
+        """The call ``make_call()`` opening session ``sid`` on ``stage`` (verify ``open``, draft ``start``), made outside
+        the request: Serve cancels a request's stage calls with it, and a cancel that meets the replica's answer
+        leaves a session nobody closes (the replica had opened it, the answer is dropped; CI found sessions left so).
+        Awaited to its end (``_Opening``) the session is the request's to close; if the request ends first, it is
+        closed once the call answers (``_close_when_opened``, from ``s.openings``)."""
+        response = contextvars.Context().run(make_call)  # no request context: not a child call of the request
+        call = asyncio.get_running_loop().create_task(_awaited(response), context=contextvars.Context())
+        s.openings[call] = (stage, sid)
+        return _Opening(call, s.openings)
+
     def _close_when_opened(self, stage: DeploymentHandle, sid: str, opening) -> None:
         """Close session ``sid`` once the call ``opening`` it has answered, wherever it opened: the request ended
-        before it learnt the replica. (A call cancelled with its request closes its session itself, on the replica:
-        ``_Stage._open_session``; this is for one that had answered already.)"""
+        before it learnt the replica. (A stage call cancelled while it opens — a timeout's — closes its session
+        itself, on the replica: ``_Stage._open_session``.)"""
         async def close():
             try:
                 opened = await opening
