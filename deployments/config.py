@@ -162,6 +162,11 @@ class Models(_Strict):
         "and the EAGLE head's): bfloat16 halves the bytes each draft step streams (products and sums stay float32); "
         "lossless either way, the verifier accepts by the drafter's own q",
     )
+    draft_vocab_size: int | None = Field(
+        None, ge=0, description="ids the drafter's LM head keeps (FR-Spec, services.draft_vocab; the EAGLE head's too): "
+        "the N most frequent of the drafter folder's draft_vocab.json; empty = its default (8192 for the default "
+        "pair), 0 = every id (an EAGLE head: the ids it was trained on)",
+    )
 
 
 class Stages(_Strict):

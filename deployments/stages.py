@@ -123,6 +123,7 @@ def load_drafter(config: AppConfig, stage: str, target: LoadedModel | None = Non
         max_context=getattr(config_of(target_dir), "max_position_embeddings", None),  # (the pair is checked by the ingress)
         eagle_head=head,
         weight_storage=DTYPES[config.models.draft_weights],
+        draft_vocab_size=config.models.draft_vocab_size,
     )
     warm_up(engine.runner)
     return engine

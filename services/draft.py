@@ -221,6 +221,8 @@ class DraftEngine:
     The draft model's LM head is pruned to its draft vocabulary (services.draft_vocab)
     when it ships one: ``draft_vocab_size`` None takes the shipped default,
     ``FULL_VOCAB`` (0) keeps the whole head; a drafter without one keeps it too.
+    An EAGLE head keeps as many of its own ids (those it was trained on), the
+    ones the draft vocabulary ranks highest (``eagle.with_vocabulary``).
     ``weight_storage=torch.bfloat16`` keeps the draft model's and the EAGLE head's float32 matmul weights as
     bfloat16 (fast_llama.Linear): a draft step streams half the bytes. Lossless whatever it changes in the drafts:
     the verifier accepts by the drafter's own q (greedy: the target's argmax).
@@ -240,15 +242,17 @@ class DraftEngine:
         weight_storage: torch.dtype | None = None,  # the models' matmul weights: torch.bfloat16 = half the bytes a step reads
     ):
         self.draft = draft
-        self.eagle_head = eagle_head
-        if eagle_head is not None:
-            eagle.HeadLinears.of(eagle_head, weight_storage)  # (made once, with this storage)
         self.kept_ids = None  # [N] ids the drafter's head keeps; None = every id
         self.runner = None
         if draft is not None:
             vocab = vocab or draft_vocab.find(draft.model)
             self.kept_ids = draft_vocab.resolve_kept_ids(vocab, draft_vocab_size, draft.vocab_size)
             self.runner = make_runner(draft, kept_ids=self.kept_ids, weight_storage=weight_storage)
+        if eagle_head is not None and self.kept_ids is not None:  # its LM head too keeps as many, ranked the same
+            eagle_head = eagle.with_vocabulary(eagle_head, vocab.ranked_ids, len(self.kept_ids))
+        self.eagle_head = eagle_head
+        if eagle_head is not None:
+            eagle.HeadLinears.of(eagle_head, weight_storage)  # (made once, with this storage)
         self.max_context = max_context or (draft.max_context if draft else 2**31 - 1)
         if vocab_size is None and draft is None and eagle_head is not None:
             vocab_size = eagle_head.embed.shape[0]

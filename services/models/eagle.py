@@ -22,6 +22,7 @@ chain's keys (steps 2..s), exactly what drafting from t sees.
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import math
@@ -182,6 +183,29 @@ class EagleHead(nn.Module):
 
     def trainable_state(self) -> dict[str, torch.Tensor]:
         return {k: v for k, v in self.state_dict().items() if k != "kept_ids"}
+
+
+def with_vocabulary(head: EagleHead, ranked_ids, size: int) -> EagleHead:
+    """``head`` proposing only the ``size`` of its kept ids that ``ranked_ids`` (a draft vocabulary's ranking,
+    services.draft_vocab: most frequent first) ranks highest — its ids absent from the ranking last, by id: its LM
+    head shrinks to those rows, the bytes a draft token streams with it. The weights are shared and ``head`` is
+    left as it is. Lossless like any pruning: q is zero outside the kept ids and the verifier accepts by q."""
+    own = set(head.kept_ids.tolist())
+    if size >= len(own):
+        return head
+    if size < 1:
+        raise ValueError(f"an EAGLE head keeps at least one id, got {size}")
+    order = [i for i in ranked_ids if i in own]
+    order += sorted(own.difference(order))
+    kept = torch.tensor(sorted(order[:size]), dtype=torch.long)  # [size] ascending, as the head's own
+    pruned = copy.copy(head)  # (nn.Module: the same parameters and submodules)
+    pruned._buffers = dict(head._buffers)
+    pruned.__dict__.pop("_linears", None)  # (HeadLinears.of makes the pruned head's own)
+    pruned.kept_ids = kept
+    remap = torch.full_like(head.remap, NO_ID)
+    remap[kept] = torch.arange(len(kept))
+    pruned.remap = remap
+    return pruned
 
 
 def load_head(target, path) -> EagleHead:

@@ -30,6 +30,14 @@ def prompts(default_pair):
     return [chat_ids(target.tokenizer, p) for p in held_out_prompts()[:NUM_PROMPTS]]
 
 
+def test_the_eagle_head_keeps_the_draft_vocabulary(engines):
+    """The shipped EAGLE head keeps as many ids as the draft vocabulary (8192 by default), of the 16384 it was
+    trained with: its LM head streams half the rows (the greedy tests below run with it)."""
+    _, draft, _ = engines
+    kept = draft.eagle_head.kept_ids
+    assert len(draft.kept_ids) == len(kept) == 8192
+
+
 def test_pair_is_a_real_model(default_pair):
     """The GGUF-derived target answers correctly: it writes an is_prime function."""
     target, _ = default_pair

@@ -6,6 +6,7 @@ import torch
 
 from services import eagle_draft
 from services.draft import DraftEngine
+from services.draft_vocab import DraftVocab
 from services.errors import InvalidRequestError
 from services.loop import generate
 from services.models import eagle
@@ -120,6 +121,39 @@ def test_q_lives_on_the_kept_ids(engines):
     assert torch.allclose(proposal.probs.sum(-1), torch.ones(4))
     assert proposal.probs[:, outside].sum() == 0
     assert all(proposal.probs[j, x] > 0 for j, x in enumerate(proposal.token_ids))
+
+
+def test_a_draft_vocabulary_prunes_the_heads_lm_head_too(tiny):
+    """A draft vocabulary (services.draft_vocab) prunes an EAGLE head as well: it keeps as many of its own ids, those
+    the vocabulary ranks highest; its LM head shrinks to them, q lives on them, and greedy output is still the
+    target's. The head the engine was given is unchanged (another engine may share it), and a full vocabulary keeps
+    it whole."""
+    target, draft_model = tiny
+    head = random_head(target)
+    ranked = tuple(torch.randperm(TINY_VOCAB_SIZE, generator=torch.Generator().manual_seed(5)).tolist())
+    draft = DraftEngine(draft_model, eagle_head=head, vocab=DraftVocab(ranked, 48))
+    own = set(head.kept_ids.tolist())
+    kept = torch.tensor(sorted([i for i in ranked if i in own][:48]))
+    pruned = draft.eagle_head
+    assert torch.equal(pruned.kept_ids, kept)
+    assert [int(pruned.remap[i]) for i in kept] == list(range(len(kept)))
+    assert eagle.HeadLinears.of(pruned).lm_head.out_features == len(kept)
+    assert len(head.kept_ids) == KEPT and pruned.fc is head.fc  # the given head as it was; the weights shared
+    assert DraftEngine(draft_model, eagle_head=head, vocab=DraftVocab(ranked, 48), draft_vocab_size=0).eagle_head is head
+    prefill, verify = PrefillEngine(target), VerifyEngine(target)
+    for prompt in PROMPTS:
+        result = generate(prefill, draft, verify, prompt, max_new_tokens=NEW_TOKENS, num_draft_tokens=3,
+                          params=SamplingParams(), drafter="eagle")
+        assert result.token_ids == greedy_reference(target.model, prompt, NEW_TOKENS), f"prompt {prompt}"
+    prompt, params = [1, 5, 7, 9], SamplingParams(temperature=0.8, seed=1)
+    result = prefill.prefill(prompt, params, features=True)
+    draft.start("q", prompt, params, "eagle", result.features)
+    draft.accept("q", 0, result.first_token)
+    proposal = draft.propose("q", 4)
+    draft.close("q")
+    outside = torch.ones(TINY_VOCAB_SIZE, dtype=torch.bool)
+    outside[kept] = False
+    assert proposal.probs[:, outside].sum() == 0 and torch.allclose(proposal.probs.sum(-1), torch.ones(4))
 
 
 def test_misuse_gets_clear_errors(tiny, engines):
