@@ -107,8 +107,8 @@ def test_sampled_tokens_follow_the_target(tiny, engines):
     assert_follows(counts, p)
 
 
-def test_q_lives_on_the_kept_ids(engines):
-    prefill, draft, _ = engines
+def assert_q_lives_on(kept: torch.Tensor, prefill: PrefillEngine, draft: DraftEngine) -> None:
+    """A sampled EAGLE proposal's q: a distribution over the whole vocabulary, zero outside ``kept``."""
     prompt, params = [1, 5, 7, 9], SamplingParams(temperature=0.8, seed=1)
     result = prefill.prefill(prompt, params, features=True)
     draft.start("q", prompt, params, "eagle", result.features)
@@ -116,11 +116,16 @@ def test_q_lives_on_the_kept_ids(engines):
     proposal = draft.propose("q", 4)
     draft.close("q")
     outside = torch.ones(TINY_VOCAB_SIZE, dtype=torch.bool)
-    outside[draft.eagle_head.kept_ids] = False
+    outside[kept] = False
     assert proposal.probs.shape == (4, TINY_VOCAB_SIZE)
     assert torch.allclose(proposal.probs.sum(-1), torch.ones(4))
     assert proposal.probs[:, outside].sum() == 0
     assert all(proposal.probs[j, x] > 0 for j, x in enumerate(proposal.token_ids))
+
+
+def test_q_lives_on_the_kept_ids(engines):
+    prefill, draft, _ = engines
+    assert_q_lives_on(draft.eagle_head.kept_ids, prefill, draft)
 
 
 def test_a_draft_vocabulary_prunes_the_heads_lm_head_too(tiny):
@@ -145,15 +150,7 @@ def test_a_draft_vocabulary_prunes_the_heads_lm_head_too(tiny):
         result = generate(prefill, draft, verify, prompt, max_new_tokens=NEW_TOKENS, num_draft_tokens=3,
                           params=SamplingParams(), drafter="eagle")
         assert result.token_ids == greedy_reference(target.model, prompt, NEW_TOKENS), f"prompt {prompt}"
-    prompt, params = [1, 5, 7, 9], SamplingParams(temperature=0.8, seed=1)
-    result = prefill.prefill(prompt, params, features=True)
-    draft.start("q", prompt, params, "eagle", result.features)
-    draft.accept("q", 0, result.first_token)
-    proposal = draft.propose("q", 4)
-    draft.close("q")
-    outside = torch.ones(TINY_VOCAB_SIZE, dtype=torch.bool)
-    outside[kept] = False
-    assert proposal.probs[:, outside].sum() == 0 and torch.allclose(proposal.probs.sum(-1), torch.ones(4))
+    assert_q_lives_on(kept, prefill, draft)
 
 
 def test_misuse_gets_clear_errors(tiny, engines):
