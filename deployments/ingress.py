@@ -637,8 +637,8 @@ class SpecDecodeIngress(OpenAIRoutes):
 
     def _close_when_opened(self, stage: DeploymentHandle, sid: str, opening) -> None:
         """Close session ``sid`` once the call ``opening`` it has answered, wherever it opened: the request ended
-        before it learnt the replica. (A stage call cancelled while it opens — a timeout's — closes its session
-        itself, on the replica: ``_Stage._open_session``.)"""
+        before it learnt the replica. (A streamed call that opens a session and is cancelled meanwhile — the decode
+        and speculate streams — closes it itself, on the replica: ``_Stage._open_session``.)"""
         async def close():
             try:
                 opened = await opening
