@@ -83,9 +83,7 @@ class EagleHead(nn.Module):
         embed = target.model.embed_tokens.weight.detach().float()
         self.register_buffer("embed", embed, persistent=False)  # [vocab_size, h], frozen
         self.register_buffer("kept_ids", kept_ids.long())  # [N]
-        remap = torch.full((embed.shape[0],), NO_ID, dtype=torch.long)
-        remap[kept_ids] = torch.arange(len(kept_ids))
-        self.register_buffer("remap", remap, persistent=False)  # [vocab_size] -> kept index or NO_ID
+        self.register_buffer("remap", _remap(kept_ids, embed.shape[0]), persistent=False)  # [vocab_size]
         ones = torch.ones(h)
         self.feature_in = nn.Linear(feature_dim, h, bias=False)
         self.norm_feat, self.norm_emb = RMSNorm(ones, eps), RMSNorm(ones, eps)
@@ -202,10 +200,15 @@ def with_vocabulary(head: EagleHead, ranked_ids, size: int) -> EagleHead:
     pruned._buffers = dict(head._buffers)
     pruned.__dict__.pop("_linears", None)  # (HeadLinears.of makes the pruned head's own)
     pruned.kept_ids = kept
-    remap = torch.full_like(head.remap, NO_ID)
-    remap[kept] = torch.arange(len(kept))
-    pruned.remap = remap
+    pruned.remap = _remap(kept, len(head.remap))
     return pruned
+
+
+def _remap(kept_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:  # [N] -> [vocab_size]
+    """Each vocabulary id's index among ``kept_ids``, NO_ID for the ids the head does not keep."""
+    remap = torch.full((vocab_size,), NO_ID, dtype=torch.long)
+    remap[kept_ids] = torch.arange(len(kept_ids))
+    return remap
 
 
 def load_head(target, path) -> EagleHead:
