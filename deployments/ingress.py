@@ -306,17 +306,16 @@ class SpecDecodeIngress(OpenAIRoutes):
                     yield step
                 return
             # 2. hand the verifier the KV *reference*; it resolves the bytes from the object store (while the draft starts)
+            def open_again():
+                self._stop_decoding(s)  # (a stream that failed to open goes with its failure)
+                return self._opening(s, "verify", sid, lambda: self.verify.open.remote(sid, handoff, params, features))
             if (self.config.speculation.stream_off and not plan.drafting and plan.max_new_tokens > 1
                     and handoff.first_token not in self.target.eos_token_ids):
                 # without a drafter, the same call opens the session and decodes (Verify.decode): the first step
                 # follows the open on the replica, while the first token goes out
                 opening = anext(self._start_decoding(plan, s, plan.max_new_tokens - 1, opening=(handoff, params)))
             else:
-                opening = self._opening(s, "verify", sid, lambda: self.verify.open.remote(sid, handoff, params, features))
-
-            def open_again():
-                self._stop_decoding(s)  # (a stream that failed to open goes with its failure)
-                return self._opening(s, "verify", sid, lambda: self.verify.open.remote(sid, handoff, params, features))
+                opening = open_again()  # (no stream yet to stop)
             if started is not None:
                 try:
                     s.draft = self.draft.options(session_id=pin((await self._call("draft", started)).replica_id))
