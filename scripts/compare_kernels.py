@@ -19,13 +19,8 @@ from pathlib import Path
 import torch
 
 
-def _earlier_kernels(commit: str):
-    """That commit's compiled kernels, as a second extension: its csrc/ sources (the matmul kernel alone before
-    bindings.cpp existed)."""
-    from torch.utils.cpp_extension import load
-
-    from services.kernels import build_flags
-
+def _earlier_sources(commit: str) -> Path:
+    """A folder with that commit's ``services/csrc`` files."""
     listed = subprocess.run(["git", "ls-tree", "--name-only", f"{commit}:services/csrc"], check=True,
                             capture_output=True, text=True).stdout.split()
     folder = Path(tempfile.mkdtemp())
@@ -33,9 +28,28 @@ def _earlier_kernels(commit: str):
         source = subprocess.run(["git", "show", f"{commit}:services/csrc/{name}"], check=True, capture_output=True,
                                 text=True).stdout
         (folder / name).write_text(source)
+    return folder
+
+
+def _earlier_kernels(commit: str):
+    """That commit's compiled kernels, as a second extension: its csrc/ sources (the matmul kernel alone before
+    bindings.cpp existed)."""
+    from torch.utils.cpp_extension import load
+
+    from services.kernels import build_flags
+
+    folder = _earlier_sources(commit)
+    listed = [path.name for path in folder.iterdir()]
     sources = [n for n in listed if n.endswith(".cpp")] if "bindings.cpp" in listed else ["skinny_gemm.cpp"]
     return load(name=f"splitspec_kernels_{commit}", sources=[str(folder / n) for n in sources],
                 extra_cflags=build_flags())
+
+
+def _packed(weight: torch.Tensor, width: int) -> torch.Tensor:  # [out, in] -> [ceil(out / width), in, width]
+    out, inputs = weight.shape
+    padded = torch.zeros(-(-out // width) * width, inputs)
+    padded[:out] = weight
+    return padded.view(-1, width, inputs).transpose(1, 2).contiguous()
 
 
 def main() -> None:
@@ -58,10 +72,13 @@ def main() -> None:
     earlier_gemm = earlier_module.skinny_gemm
     earlier_attention = getattr(earlier_module, "decode_attention", None)
 
-    def earlier_skinny(linear, x):  # that commit's kernel: x [m, in], w [out, in] (kept here once per weight)
+    def earlier_skinny(linear, x):  # that commit's kernel, on the weight in its layout (kept here once per weight)
         if not hasattr(linear, "_earlier_w"):
-            linear._earlier_w = linear.weight_t.t().contiguous()
-        return earlier_gemm(x, linear._earlier_w)
+            weight = linear.weight_t.t().contiguous()  # [out, in]
+            linear._earlier_w = _packed(weight, earlier_module.panel_width()) if packs else weight
+        return earlier_gemm(x, linear._earlier_w, linear.out_features) if packs else earlier_gemm(x, linear._earlier_w)
+
+    packs = hasattr(earlier_module, "panel_width")  # (kernels before 2026-12-04 took w [out, in] as it is)
 
     attention = kernels.decode_attention()
     current = (Linear._skinny, lambda: attention)

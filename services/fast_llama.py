@@ -50,10 +50,10 @@ class Linear:
         weight = weights_as(weight, storage)
         self.out_features = weight.shape[0]
         self.weight_t = weight.t().contiguous()  # [in, out]
-        self.packed = None  # [ceil(out / 64), in, 64]: the kernel's layout, where it is built (float32 weights)
+        self.packed = None  # [panels, in, width]: the kernel's layout, where it is built (float32 weights)
         self.weight = None  # [out, in]: for the BLAS variants that only run without the kernel
         if weight.dtype == torch.float32 and weight.device.type == "cpu" and kernels.skinny_gemm() is not None:
-            self.packed = kernels.pack_weight(weight).to(storage or torch.float32)  # (exact: the values are rounded)
+            self.packed = kernels.pack_weight(weight, storage or torch.float32)  # (exact: the values are rounded)
         else:
             self.weight = weight.contiguous()
 

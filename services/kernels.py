@@ -82,15 +82,19 @@ def skinny_gemm():
     return None if module is None else module.skinny_gemm
 
 
-def pack_weight(weight: torch.Tensor) -> torch.Tensor:  # [out, in] -> [ceil(out / 64), in, 64]
-    """``weight`` in ``skinny_gemm``'s layout: panels of 64 outputs (the last zero-padded), each input by input.
-    The kernel takes the panels in float32 or bfloat16 (``.to(torch.bfloat16)``: half the bytes to stream)."""
-    width = _kernels().panel_width()
+def pack_weight(weight: torch.Tensor, storage: torch.dtype = torch.float32) -> torch.Tensor:
+    """``weight`` [out, in] in ``skinny_gemm``'s layout, [ceil(out / width), in, width]: panels of ``width``
+    outputs (the last zero-padded), each input by input, as ``storage`` (float32, or bfloat16: half the bytes to
+    stream; the values are rounded to it). The panel width is the kernel's for that type (32 for float32, 64 for
+    bfloat16: csrc/skinny_gemm.cpp)."""
+    if storage not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"the kernel takes float32 or bfloat16 weights, not {storage}")
+    width = _kernels().panel_width(storage == torch.bfloat16)
     out, inputs = weight.shape
     panels = -(-out // width)
     padded = torch.zeros(panels * width, inputs, dtype=weight.dtype)
     padded[:out] = weight
-    return padded.view(panels, width, inputs).transpose(1, 2).contiguous()
+    return padded.view(panels, width, inputs).transpose(1, 2).contiguous().to(storage)
 
 
 def decode_attention():

@@ -28,15 +28,21 @@ def test_bfloat16_panels_give_the_float32_kernel_of_the_rounded_weight():
     kernel = _kernel()
     gen = torch.Generator().manual_seed(0)
     weight = weights_as(torch.randn(303, 136, generator=gen), torch.bfloat16)  # (the last panel partial)
-    as_bf16, as_f32 = kernels.pack_weight(weight).to(torch.bfloat16), kernels.pack_weight(weight)
-    assert as_bf16.dtype == torch.bfloat16 and torch.equal(as_bf16.float(), as_f32)
+    as_bf16, as_f32 = kernels.pack_weight(weight, torch.bfloat16), kernels.pack_weight(weight)
+    assert as_bf16.dtype == torch.bfloat16 and torch.equal(_unpacked(as_bf16, 303).float(), weight)
+    assert torch.equal(_unpacked(as_f32, 303), weight)
     x = torch.randn(13, 136, generator=gen)
-    for rows in (1, 2, 5, 6, 7, 13):
+    for rows in (1, 2, 5, 6, 7, 12, 13):  # (the two layouts block their rows differently: the same bits)
         assert torch.equal(kernel(x[:rows], as_bf16, 303), kernel(x[:rows], as_f32, 303)), rows
     batched = kernel(x, as_bf16, 303)
     for row in range(13):
         assert torch.equal(kernel(x[row : row + 1], as_bf16, 303), batched[row : row + 1]), row
     torch.testing.assert_close(batched, x @ weight.T, rtol=1e-5, atol=1e-4)
+
+
+def _unpacked(packed: torch.Tensor, out: int) -> torch.Tensor:  # [panels, in, width] -> [out, in]
+    panels, inputs, width = packed.shape
+    return packed.transpose(1, 2).reshape(panels * width, inputs)[:out]
 
 
 def test_linear_with_bfloat16_storage():

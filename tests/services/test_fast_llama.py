@@ -91,11 +91,12 @@ def test_skinny_kernel_rows_do_not_depend_on_their_batch():
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(303, 136, generator=gen)
     packed = kernels.pack_weight(weight)
-    x = torch.randn(13, 136, generator=gen)
+    x = torch.randn(27, 136, generator=gen)  # (three blocks of rows)
     batched = kernel(x, packed, 303)
-    for row in range(13):
+    for row in range(27):
         assert torch.equal(kernel(x[row : row + 1], packed, 303), batched[row : row + 1]), row
-    assert torch.equal(kernel(x[3:10], packed, 303), batched[3:10])
+    for rows in (slice(3, 10), slice(0, 12), slice(2, 15)):  # one block, a full one, two
+        assert torch.equal(kernel(x[rows], packed, 303), batched[rows]), rows
 
 
 def test_skinny_kernel_sums_each_product_input_by_input():

@@ -1,0 +1,90 @@
+"""The matmul kernel of an earlier commit vs the current one, over the default target's matmuls, process by process.
+
+    .venv/bin/python scripts/gemm_ab.py 7e7c3cb   # --rows 1,2,4,5,6,7,8,10,12,16 --rounds 3 --dtype float32|bfloat16
+
+Each side runs in a fresh process of its own (that commit's ``services/csrc`` built as a second extension), the two
+alternating round by round: timed in one process, the two kernels' weight copies sit in different memory, and
+whichever runs second after the other is measurably faster, so side by side in one process misleads by 10% and
+more here. A process times every matmul of the default target (30 layers' QKV, output, gate-up and down
+projections, then the LM head; bfloat16: a 4-layer drafter and an 8192-row head) on random weights, median of 7,
+for each row count. One torch thread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+LAYER = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out, in): the default target's fused matmuls
+
+
+def _time_one(sources: str, tag: str, rows: list[int], bf16: bool) -> dict:
+    from torch.utils.cpp_extension import load
+
+    from services.kernels import build_flags
+
+    folder = Path(sources)
+    module = load(name=f"splitspec_gemm_ab_{tag}", extra_cflags=build_flags(),
+                  sources=[str(folder / n) for n in ("bindings.cpp", "skinny_gemm.cpp", "decode_attention.cpp")])
+    try:
+        width = module.panel_width(bf16)
+    except TypeError:  # (kernels with one panel width for every dtype)
+        width = module.panel_width()
+    shapes = LAYER * 4 + [(8192, 576)] if bf16 else LAYER * 30 + [(49152, 576)]
+    torch.manual_seed(0)
+    weights = []
+    for out, inputs in shapes:
+        padded = torch.zeros(-(-out // width) * width, inputs)
+        padded[:out] = torch.randn(out, inputs) * 0.02
+        packed = padded.view(-1, width, inputs).transpose(1, 2).contiguous()
+        weights.append((packed.bfloat16() if bf16 else packed, out, inputs))
+    medians = {}
+    for m in rows:
+        x = {inputs: torch.randn(m, inputs) for inputs in (576, 1536)}
+        times = []
+        for _ in range(7):
+            start = time.perf_counter()
+            for packed, out, inputs in weights:
+                module.skinny_gemm(x[inputs], packed, out)
+            times.append((time.perf_counter() - start) * 1e3)
+        medians[m] = sorted(times)[3]
+    return medians
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("commit", nargs="?")
+    parser.add_argument("--rows", default="1,2,4,5,6,7,8,10,12,16")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument("--one", nargs=2, metavar=("SOURCES", "TAG"), help=argparse.SUPPRESS)  # a side's process
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    rows = [int(r) for r in args.rows.split(",")]
+    if args.one:
+        print(json.dumps(_time_one(*args.one, rows, args.dtype == "bfloat16")))
+        return
+    from compare_kernels import _earlier_sources
+
+    sides = {"earlier": str(_earlier_sources(args.commit)), "current": str(Path(__file__).parent.parent / "services/csrc")}
+    runs: dict[str, list[dict]] = {side: [] for side in sides}
+    for _ in range(args.rounds):
+        for side, sources in sides.items():
+            out = subprocess.run([sys.executable, __file__, "--one", sources, f"{side}_{args.commit}", "--rows", args.rows,
+                                  "--dtype", args.dtype], check=True, capture_output=True, text=True).stdout
+            runs[side].append(json.loads(out.strip().splitlines()[-1]))
+    print(f"ms per pass over the matmuls ({args.dtype}), {args.commit} -> current, each round a process per side:")
+    for m in map(str, rows):
+        before, now = ([run[m] for run in runs[side]] for side in ("earlier", "current"))
+        print(f"  {m:>2} rows: {' '.join(f'{t:5.1f}' for t in before)} -> {' '.join(f'{t:5.1f}' for t in now)}"
+              f"  ({sum(before) / sum(now):.2f}x)")
+
+
+if __name__ == "__main__":
+    main()
