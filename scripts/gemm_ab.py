@@ -1,13 +1,15 @@
 """The matmul kernel of an earlier commit vs the current one, over the default target's matmuls, process by process.
 
     .venv/bin/python scripts/gemm_ab.py 7e7c3cb   # --rows 1,2,4,5,6,7,8,10,12,16 --rounds 3 --dtype float32|bfloat16
+    .venv/bin/python scripts/gemm_ab.py 7e7c3cb --passes 1x1,1x5,2x5,4x2,8x1,16x1   # whole verify passes
 
 Each side runs in a fresh process of its own (that commit's ``services/csrc`` built as a second extension), the two
 alternating round by round: timed in one process, the two kernels' weight copies sit in different memory, and
 whichever runs second after the other is measurably faster, so side by side in one process misleads by 10% and
 more here. A process times every matmul of the default target (30 layers' QKV, output, gate-up and down
 projections, then the LM head; bfloat16: a 4-layer drafter and an 8192-row head) on random weights, median of 7,
-for each row count. One torch thread.
+for each row count; with ``--passes`` (sessions x rows each), verify passes of the default target instead (the
+engine's forward over every session's chunk, prompts of 60-210 tokens), median of 8. One torch thread.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import torch
 LAYER = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out, in): the default target's fused matmuls
 
 
-def _time_one(sources: str, tag: str, rows: list[int], bf16: bool) -> dict:
+def _time_one(sources: str, tag: str, rows: list[int], bf16: bool, passes: list[str]) -> dict:
     from torch.utils.cpp_extension import load
 
     from services.kernels import build_flags
@@ -32,6 +34,8 @@ def _time_one(sources: str, tag: str, rows: list[int], bf16: bool) -> dict:
     folder = Path(sources)
     module = load(name=f"splitspec_gemm_ab_{tag}", extra_cflags=build_flags(),
                   sources=[str(folder / n) for n in ("bindings.cpp", "skinny_gemm.cpp", "decode_attention.cpp")])
+    if passes:
+        return _time_passes(module, passes)
     try:
         width = module.panel_width(bf16)
     except TypeError:  # (kernels with one panel width for every dtype)
@@ -57,18 +61,66 @@ def _time_one(sources: str, tag: str, rows: list[int], bf16: bool) -> dict:
     return medians
 
 
+class _OneWidth:
+    """An earlier kernel module whose ``panel_width()`` took no dtype, as the engine now calls it."""
+
+    def __init__(self, module):
+        self._module = module
+
+    def panel_width(self, bfloat16: bool = False) -> int:
+        return self._module.panel_width()
+
+    def __getattr__(self, name: str):
+        return getattr(self._module, name)
+
+
+def _time_passes(module, passes: list[str]) -> dict:
+    """Median ms of the default target's verify passes with ``module``'s kernels."""
+    from services import kernels
+
+    try:
+        module.panel_width(False)
+    except TypeError:  # (kernels with one panel width for every dtype)
+        module = _OneWidth(module)
+    kernels._module = module  # (the engine packs its weights with this module's panel width)
+    from services.loading import load_causal_lm
+    from services.models import default_pair
+    from services.runner import make_runner
+
+    runner = make_runner(load_causal_lm(default_pair.prepare()[0]))
+    gen = torch.Generator().manual_seed(0)
+    caches = []
+    for i in range(16):
+        caches.append(runner.new_cache())
+        runner.forward(torch.randint(5, 1000, (60 + 10 * i,), generator=gen), caches[-1])
+    medians = {}
+    for shape in passes:
+        sessions, rows = map(int, shape.split("x"))
+        times = []
+        for _ in range(9):  # (the first warms up)
+            chunks = [(torch.randint(5, 1000, (rows,), generator=gen), caches[j % 16]) for j in range(sessions)]
+            start = time.perf_counter()
+            runner.forward_batch(chunks)
+            times.append((time.perf_counter() - start) * 1e3)
+            for _, cache in chunks:
+                cache.crop(cache.seq_len - rows)
+        medians[shape] = sorted(times[1:])[4]
+    return medians
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("commit", nargs="?")
     parser.add_argument("--rows", default="1,2,4,5,6,7,8,10,12,16")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument("--passes", default="", help="sessions x rows of verify passes to time, e.g. 1x1,8x1")
     parser.add_argument("--one", nargs=2, metavar=("SOURCES", "TAG"), help=argparse.SUPPRESS)  # a side's process
     args = parser.parse_args()
     torch.set_num_threads(1)
     rows = [int(r) for r in args.rows.split(",")]
     if args.one:
-        print(json.dumps(_time_one(*args.one, rows, args.dtype == "bfloat16")))
+        print(json.dumps(_time_one(*args.one, rows, args.dtype == "bfloat16", [p for p in args.passes.split(",") if p])))
         return
     from compare_kernels import _earlier_sources
 
@@ -77,12 +129,14 @@ def main() -> None:
     for _ in range(args.rounds):
         for side, sources in sides.items():
             out = subprocess.run([sys.executable, __file__, "--one", sources, f"{side}_{args.commit}", "--rows", args.rows,
-                                  "--dtype", args.dtype], check=True, capture_output=True, text=True).stdout
+                                  "--dtype", args.dtype, "--passes", args.passes], check=True, capture_output=True,
+                                 text=True).stdout
             runs[side].append(json.loads(out.strip().splitlines()[-1]))
-    print(f"ms per pass over the matmuls ({args.dtype}), {args.commit} -> current, each round a process per side:")
-    for m in map(str, rows):
+    what = "verify pass (sessions x rows)" if args.passes else f"pass over the matmuls ({args.dtype})"
+    print(f"ms per {what}, {args.commit} -> current, each round a process per side:")
+    for m in (args.passes.split(",") if args.passes else map(str, rows)):
         before, now = ([run[m] for run in runs[side]] for side in ("earlier", "current"))
-        print(f"  {m:>2} rows: {' '.join(f'{t:5.1f}' for t in before)} -> {' '.join(f'{t:5.1f}' for t in now)}"
+        print(f"  {m:>5}: {' '.join(f'{t:5.1f}' for t in before)} -> {' '.join(f'{t:5.1f}' for t in now)}"
               f"  ({sum(before) / sum(now):.2f}x)")
 
 
