@@ -19,6 +19,23 @@
 namespace splitspec {
 namespace {
 
+// out[0, V * kLanes) = the sum over keys s of scores[s] * V(s), divided by ``total``: the V vectors of the output
+// at once, key by key — V independent chains of fused multiply-adds where one vector at a time would wait on one
+// chain's latency at every key. Each output lane still sums s = 0, 1, ... in order, one FMA each: the same bits as
+// a vector at a time. Returns V * kLanes (the outputs done).
+template <int V, typename ValueAt>
+int64_t weigh_values(const float* scores, ValueAt value, int64_t keys, Vec total, float* out) {
+  Vec acc[V];
+  for (int j = 0; j < V; ++j) acc[j] = vzero();
+  for (int64_t s = 0; s < keys; ++s) {
+    const Vec weight = vset1(scores[s]);
+    const float* row = value(s);
+    for (int j = 0; j < V; ++j) acc[j] = vfma(weight, vload(row + j * kLanes), acc[j]);
+  }
+  for (int j = 0; j < V; ++j) vstore(out + j * kLanes, vdiv(acc[j], total));
+  return V * kLanes;
+}
+
 // out[0, d) = softmax(scale * q . K(t)) weighted sum of V(t), t < keys, with K(t) = key(t) and V(t) = value(t)
 // (pointers to d floats); scores: scratch of at least keys floats. One body for every layout of the keys, so that a
 // row whose keys are gathered (a draft tree's) computes exactly what a row with the same keys in sequence does.
@@ -50,6 +67,17 @@ void attend(const float* q, KeyAt key, ValueAt value, int64_t keys, int64_t d, f
   }
   const Vec vtotal_all = vset1(total);
   int64_t i = 0;
+  switch (d / kLanes) {  // every vector of a head at once (up to 8: d <= 128 with AVX-512), else one at a time
+    case 1: i = weigh_values<1>(scores, value, keys, vtotal_all, out); break;
+    case 2: i = weigh_values<2>(scores, value, keys, vtotal_all, out); break;
+    case 3: i = weigh_values<3>(scores, value, keys, vtotal_all, out); break;
+    case 4: i = weigh_values<4>(scores, value, keys, vtotal_all, out); break;
+    case 5: i = weigh_values<5>(scores, value, keys, vtotal_all, out); break;
+    case 6: i = weigh_values<6>(scores, value, keys, vtotal_all, out); break;
+    case 7: i = weigh_values<7>(scores, value, keys, vtotal_all, out); break;
+    case 8: i = weigh_values<8>(scores, value, keys, vtotal_all, out); break;
+    default: break;
+  }
   for (; i + kLanes <= d; i += kLanes) {
     Vec acc = vzero();
     for (int64_t s = 0; s < keys; ++s) acc = vfma(vset1(scores[s]), vload(value(s) + i), acc);
