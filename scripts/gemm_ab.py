@@ -27,6 +27,7 @@ LAYER = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out, in): the def
 
 
 def _time_one(sources: str, tag: str, rows: list[int], bf16: bool, passes: list[str]) -> dict:
+    from compare_kernels import _packed
     from torch.utils.cpp_extension import load
 
     from services.kernels import build_flags
@@ -44,9 +45,7 @@ def _time_one(sources: str, tag: str, rows: list[int], bf16: bool, passes: list[
     torch.manual_seed(0)
     weights = []
     for out, inputs in shapes:
-        padded = torch.zeros(-(-out // width) * width, inputs)
-        padded[:out] = torch.randn(out, inputs) * 0.02
-        packed = padded.view(-1, width, inputs).transpose(1, 2).contiguous()
+        packed = _packed(torch.randn(out, inputs) * 0.02, width)
         weights.append((packed.bfloat16() if bf16 else packed, out, inputs))
     medians = {}
     for m in rows:
@@ -120,17 +119,19 @@ def main() -> None:
     torch.set_num_threads(1)
     rows = [int(r) for r in args.rows.split(",")]
     if args.one:
-        print(json.dumps(_time_one(*args.one, rows, args.dtype == "bfloat16", [p for p in args.passes.split(",") if p])))
+        passes = [p for p in args.passes.split(",") if p]
+        print(json.dumps(_time_one(*args.one, rows, args.dtype == "bfloat16", passes)))
         return
     from compare_kernels import _earlier_sources
 
-    sides = {"earlier": str(_earlier_sources(args.commit)), "current": str(Path(__file__).parent.parent / "services/csrc")}
+    current = Path(__file__).parent.parent / "services/csrc"
+    sides = {"earlier": str(_earlier_sources(args.commit)), "current": str(current)}
     runs: dict[str, list[dict]] = {side: [] for side in sides}
     for _ in range(args.rounds):
         for side, sources in sides.items():
-            out = subprocess.run([sys.executable, __file__, "--one", sources, f"{side}_{args.commit}", "--rows", args.rows,
-                                  "--dtype", args.dtype, "--passes", args.passes], check=True, capture_output=True,
-                                 text=True).stdout
+            command = [sys.executable, __file__, "--one", sources, f"{side}_{args.commit}", "--rows", args.rows,
+                       "--dtype", args.dtype, "--passes", args.passes]
+            out = subprocess.run(command, check=True, capture_output=True, text=True).stdout
             runs[side].append(json.loads(out.strip().splitlines()[-1]))
     what = "verify pass (sessions x rows)" if args.passes else f"pass over the matmuls ({args.dtype})"
     print(f"ms per {what}, {args.commit} -> current, each round a process per side:")

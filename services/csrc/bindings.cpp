@@ -15,8 +15,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // without the GIL: the replica's event loop keeps taking and answering calls while a pass runs
   m.def("skinny_gemm", &splitspec::skinny_gemm, "x @ w.T for a few rows of x, reading w (packed) once",
         py::call_guard<py::gil_scoped_release>());
-  m.def("panel_width", &splitspec::panel_width, "outputs per packed panel of skinny_gemm's weight (float32 or bfloat16)",
-        py::arg("bfloat16") = false);
+  m.def("panel_width", &splitspec::panel_width,
+        "outputs per packed panel of skinny_gemm's weight (float32, or bfloat16)", py::arg("bfloat16") = false);
   m.def("decode_attention", &splitspec::decode_attention,
         "append short chunks' K/V to their caches and attend, every sequence alone, in one call",
         py::arg("out"), py::arg("q"), py::arg("k"), py::arg("v"), py::arg("caches"), py::arg("offsets"),

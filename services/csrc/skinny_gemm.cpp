@@ -87,7 +87,8 @@ inline void micro(const float* x, int64_t in, const W* panel, const W* next, flo
     for (int v = 0; v < SV; ++v) acc[m][v] = vzero();
   for (int64_t i = 0; i < in; ++i) {
     Vec wv[SV];
-    for (int v = 0; v < SV; ++v) wv[v] = vload((v < kPanelVecs ? panel : next) + i * kPanel + (v % kPanelVecs) * kLanes);
+    for (int v = 0; v < SV; ++v)
+      wv[v] = vload((v < kPanelVecs ? panel : next) + i * kPanel + (v % kPanelVecs) * kLanes);
     for (int m = 0; m < MB; ++m) {
       const Vec xb = vset1(x[m * in + i]);
       for (int v = 0; v < SV; ++v) acc[m][v] = vfma(xb, wv[v], acc[m][v]);
@@ -130,6 +131,7 @@ void panel_rows(const float* x, const W* packed, float* y, int64_t rows, int64_t
     const int64_t o0 = p * L::panel + s;
     for (int64_t b = 0, m0 = 0; b < blocks; ++b) {
       const int64_t mb = (rows - m0) / (blocks - b);  // the rows left, shared evenly by the blocks left
+      // (no second panel: sub_vecs lie within one)
       block<L::sub_vecs, L::block_rows>(mb, x + m0 * in, in, panel + s, panel, y + m0 * out, out, o0);
       m0 += mb;
     }
@@ -152,7 +154,7 @@ int64_t panel_width(bool bfloat16);
 
 template <typename W>
 void run_panels(const float* xp, const W* wp, float* yp, int64_t rows, int64_t in, int64_t out, int64_t panels) {
-  if (rows <= Layout<W>::pair_rows) {  // one sweep of pairs of panels; else of single panels, 12 rows a sweep
+  if (rows <= Layout<W>::pair_rows) {  // one sweep of pairs of panels; else of single panels, block_rows a sweep
     at::parallel_for(0, (panels + 1) / 2, 2, [&](int64_t begin, int64_t end) {
       for (int64_t q = begin; q < end; ++q) {
         if (2 * q + 1 < panels)
