@@ -20,15 +20,6 @@ HEADS, KV_HEADS, HEAD_DIM, LAYERS = 9, 3, 64, 30
 CASES = [(1, 1, 100, False), (8, 1, 100, False), (8, 1, 400, False), (1, 5, 100, True), (32, 1, 100, False)]
 
 
-def _build(folder: str, tag: str):
-    from torch.utils.cpp_extension import load
-
-    from services.kernels import build_flags
-
-    sources = [str(Path(folder) / name) for name in ("bindings.cpp", "skinny_gemm.cpp", "decode_attention.cpp")]
-    return load(name=f"splitspec_attention_ab_{tag}", sources=sources, extra_cflags=build_flags())
-
-
 def _case(gen, sessions: int, rows: int, start: int, tree: bool) -> tuple:
     n = sessions * rows
     q = torch.randn(HEADS, n, HEAD_DIM, generator=gen)  # [h, N, d]
@@ -40,7 +31,10 @@ def _case(gen, sessions: int, rows: int, start: int, tree: bool) -> tuple:
 
 def main() -> None:
     torch.set_num_threads(1)
-    builds = {"earlier": _build(sys.argv[1], "earlier"), "current": _build(sys.argv[2], "current")}
+    from compare_kernels import _build
+
+    builds = {name: _build(Path(folder), f"splitspec_attention_ab_{name}")
+              for name, folder in (("earlier", sys.argv[1]), ("current", sys.argv[2]))}
     gen = torch.Generator().manual_seed(0)
     for sessions, rows, start, tree in CASES:
         q, k, v, caches, offsets, sizes, starts, parents = _case(gen, sessions, rows, start, tree)

@@ -31,25 +31,21 @@ def _earlier_sources(commit: str) -> Path:
     return folder
 
 
-def _earlier_kernels(commit: str):
-    """That commit's compiled kernels, as a second extension: its csrc/ sources (the matmul kernel alone before
-    bindings.cpp existed)."""
+def _build(folder: Path, name: str):
+    """The kernels in ``folder`` (a ``services/csrc``), built as an extension of their own named ``name`` (the
+    matmul kernel alone before bindings.cpp existed)."""
     from torch.utils.cpp_extension import load
 
     from services.kernels import build_flags
 
-    folder = _earlier_sources(commit)
     listed = [path.name for path in folder.iterdir()]
     sources = [n for n in listed if n.endswith(".cpp")] if "bindings.cpp" in listed else ["skinny_gemm.cpp"]
-    return load(name=f"splitspec_kernels_{commit}", sources=[str(folder / n) for n in sources],
-                extra_cflags=build_flags())
+    return load(name=name, sources=[str(folder / n) for n in sources], extra_cflags=build_flags())
 
 
-def _packed(weight: torch.Tensor, width: int) -> torch.Tensor:  # [out, in] -> [ceil(out / width), in, width]
-    out, inputs = weight.shape
-    padded = torch.zeros(-(-out // width) * width, inputs)
-    padded[:out] = weight
-    return padded.view(-1, width, inputs).transpose(1, 2).contiguous()
+def _earlier_kernels(commit: str):
+    """That commit's compiled kernels, as a second extension."""
+    return _build(_earlier_sources(commit), f"splitspec_kernels_{commit}")
 
 
 def main() -> None:
@@ -75,7 +71,7 @@ def main() -> None:
     def earlier_skinny(linear, x):  # that commit's kernel, on the weight in its layout (kept here once per weight)
         if not hasattr(linear, "_earlier_w"):
             weight = linear.weight_t.t().contiguous()  # [out, in]
-            linear._earlier_w = _packed(weight, earlier_module.panel_width()) if packs else weight
+            linear._earlier_w = kernels.panels(weight, earlier_module.panel_width()) if packs else weight
         return earlier_gemm(x, linear._earlier_w, linear.out_features) if packs else earlier_gemm(x, linear._earlier_w)
 
     packs = hasattr(earlier_module, "panel_width")  # (kernels before 2026-12-04 took w [out, in] as it is)

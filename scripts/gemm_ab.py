@@ -27,14 +27,11 @@ LAYER = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out, in): the def
 
 
 def _time_one(sources: str, tag: str, rows: list[int], bf16: bool, passes: list[str]) -> dict:
-    from compare_kernels import _packed
-    from torch.utils.cpp_extension import load
+    from compare_kernels import _build
 
-    from services.kernels import build_flags
+    from services.kernels import panels
 
-    folder = Path(sources)
-    module = load(name=f"splitspec_gemm_ab_{tag}", extra_cflags=build_flags(),
-                  sources=[str(folder / n) for n in ("bindings.cpp", "skinny_gemm.cpp", "decode_attention.cpp")])
+    module = _build(Path(sources), f"splitspec_gemm_ab_{tag}")
     if passes:
         return _time_passes(module, passes)
     try:
@@ -45,7 +42,7 @@ def _time_one(sources: str, tag: str, rows: list[int], bf16: bool, passes: list[
     torch.manual_seed(0)
     weights = []
     for out, inputs in shapes:
-        packed = _packed(torch.randn(out, inputs) * 0.02, width)
+        packed = panels(torch.randn(out, inputs) * 0.02, width)
         weights.append((packed.bfloat16() if bf16 else packed, out, inputs))
     medians = {}
     for m in rows:

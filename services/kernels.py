@@ -89,12 +89,16 @@ def pack_weight(weight: torch.Tensor, storage: torch.dtype = torch.float32) -> t
     bfloat16: csrc/skinny_gemm.cpp)."""
     if storage not in (torch.float32, torch.bfloat16):
         raise ValueError(f"the kernel takes float32 or bfloat16 weights, not {storage}")
-    width = _kernels().panel_width(storage == torch.bfloat16)
+    return panels(weight, _kernels().panel_width(storage == torch.bfloat16)).to(storage)
+
+
+def panels(weight: torch.Tensor, width: int) -> torch.Tensor:  # [out, in] -> [ceil(out / width), in, width]
+    """The panel layout for any ``width`` (``pack_weight`` takes the built kernel's; benchmarks, an earlier one's)."""
     out, inputs = weight.shape
-    panels = -(-out // width)
-    padded = torch.zeros(panels * width, inputs, dtype=weight.dtype)
+    count = -(-out // width)
+    padded = torch.zeros(count * width, inputs, dtype=weight.dtype)
     padded[:out] = weight
-    return padded.view(panels, width, inputs).transpose(1, 2).contiguous().to(storage)
+    return padded.view(count, width, inputs).transpose(1, 2).contiguous()
 
 
 def decode_attention():
