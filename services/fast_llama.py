@@ -93,6 +93,14 @@ class Linear:
         return getattr(self, "_" + Linear._plans[key])(x)
 
 
+def _packed(layers: list[tuple]) -> list[list[torch.Tensor]] | None:
+    """Per layer ``[ln1, qkv, o, ln2, gate_up, down]`` with the projections packed (kernels.decoder_layers), or
+    None where one is not (no kernel, or not float32 on the CPU)."""
+    if any(linear.packed is None for layer in layers for linear in (layer[1], layer[2], layer[4], layer[5])):
+        return None
+    return [[ln1, qkv.packed, o.packed, ln2, gate_up.packed, down.packed] for ln1, qkv, o, ln2, gate_up, down in layers]
+
+
 def weights_as(weight: torch.Tensor, storage: torch.dtype | None) -> torch.Tensor:
     """A float32 ``weight`` rounded to ``storage``'s precision (kept float32); anything else as it is."""
     if storage is None or weight.dtype != torch.float32:
@@ -170,6 +178,7 @@ class FastLlamaRunner:
     """Forward passes of a Llama model against ``DenseKVCache``s (same interface as ``ModelRunner``)."""
 
     supports_trees = True  # forward_batch takes draft trees (services.tree)
+    fused = True  # short chunks through kernels.decoder_layers where it is built (False: the Python loop, same bits)
 
     def __init__(self, loaded, *, kept_ids: torch.Tensor | None = None, weight_storage: torch.dtype | None = None):
         # kept_ids: [N] ascending, None = full head; weight_storage: of the matmul weights (Linear), None = as loaded
@@ -201,6 +210,7 @@ class FastLlamaRunner:
         self.kept_ids = kept_ids  # pruned draft vocabulary (services.draft_vocab), None = every id
         self.head = Linear(head if kept_ids is None else head[kept_ids], weight_storage)  # hidden -> N kept ids (or vocab_size)
         self.scaling = self.head_dim**-0.5
+        self.packed_layers = _packed(self.layers)  # for kernels.decoder_layers (None: a projection is not packed)
         theta = config.rope_parameters["rope_theta"]
         self.inv_freq = 1.0 / (theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float) / self.head_dim))
 
@@ -316,6 +326,15 @@ class FastLlamaRunner:
         total = offset
         cos, sin = self._rope(torch.cat(positions))  # [N, d]
         x = F.embedding(torch.cat([ids for ids, _ in chunks]), self.embed)  # [N, hidden]
+        layers = kernels.decoder_layers() if self.fused and attend is not None and not spans else None
+        if layers is not None and self.packed_layers is not None and total <= kernels.SKINNY_MAX_ROWS \
+                and Linear.forced_variant is None:
+            # every chunk is short: the loop below in C++, one call without the GIL (csrc/decoder_layers.cpp)
+            x = layers(x, self.packed_layers, cos, sin, self.eps, h, h_kv, d, self.layers[0][4].out_features // 2,
+                       short_caches, short_offsets, short_sizes, short_starts, self.scaling, short_parents)
+            for input_ids, cache in chunks:
+                cache.seq_len += input_ids.shape[0]
+            return x
         for i, (ln1, w_qkv, w_o, ln2, w_gu, w_down) in enumerate(self.layers):
             qkv = w_qkv(self._rms_norm(x, ln1))  # [N, (h + 2 h_kv) * d]
             q = qkv[:, : h * d].view(total, h, d).transpose(0, 1)  # [h, N, d]

@@ -4,6 +4,8 @@
   of x (a decode step, a verify chunk, or several sessions' chunks batched)
   that streams the weight once, packed by ``pack_weight`` into panels
   (``csrc/skinny_gemm.cpp``);
+* ``decoder_layers()`` returns a function running every decoder layer over
+  short chunks in one call without the GIL (``csrc/decoder_layers.cpp``);
 * ``decode_attention()`` returns a function that appends several sequences'
   short chunks to their KV caches and computes their attention in one call
   (``csrc/decode_attention.cpp``), where SDPA would be one call per sequence
@@ -28,7 +30,8 @@ logger = logging.getLogger(__name__)
 
 SKINNY_MAX_ROWS = 32  # beyond this many rows a BLAS GEMM is compute-efficient enough
 DECODE_ATTENTION_MAX_ROWS = 32  # longer chunks (prompts) take SDPA, whose blocked kernel suits them
-_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("bindings.cpp", "skinny_gemm.cpp", "decode_attention.cpp")]
+_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("bindings.cpp", "skinny_gemm.cpp", "decode_attention.cpp",
+                                                               "decoder_layers.cpp")]
 
 
 def _cpu_flags() -> set[str]:
@@ -113,3 +116,12 @@ def decode_attention():
     """
     module = _kernels()
     return None if module is None else module.decode_attention
+
+
+def decoder_layers():
+    """``(x, layers, cos, sin, eps, heads, kv_heads, head_dim, intermediate, caches, offsets, sizes, starts, scale,
+    parents) -> x`` after every layer, or None if unavailable: ``FastLlamaRunner._layers``' torch calls over short
+    chunks (each projection through ``skinny_gemm``, attention through ``decode_attention``) made in C++, the same
+    bits. ``layers``: per layer ``[ln1, qkv, o, ln2, gate_up, down]``, the projections packed (``pack_weight``)."""
+    module = _kernels()
+    return None if module is None else module.decoder_layers

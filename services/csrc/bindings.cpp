@@ -9,6 +9,10 @@ int64_t panel_width(bool bfloat16);
 void decode_attention(at::Tensor out, at::Tensor q, at::Tensor k, at::Tensor v, std::vector<at::Tensor> caches,
                       std::vector<int64_t> offsets, std::vector<int64_t> sizes, std::vector<int64_t> starts,
                       int64_t layer, double scale, std::vector<std::vector<int64_t>> parents);
+at::Tensor decoder_layers(at::Tensor x, std::vector<std::vector<at::Tensor>> layers, at::Tensor cos, at::Tensor sin,
+                          double eps, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t intermediate,
+                          std::vector<at::Tensor> caches, std::vector<int64_t> offsets, std::vector<int64_t> sizes,
+                          std::vector<int64_t> starts, double scale, std::vector<std::vector<int64_t>> parents);
 }  // namespace splitspec
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -22,4 +26,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("out"), py::arg("q"), py::arg("k"), py::arg("v"), py::arg("caches"), py::arg("offsets"),
         py::arg("sizes"), py::arg("starts"), py::arg("layer"), py::arg("scale"),
         py::arg("parents") = std::vector<std::vector<int64_t>>(), py::call_guard<py::gil_scoped_release>());
+  m.def("decoder_layers", &splitspec::decoder_layers,
+        "every decoder layer over short chunks' rows: FastLlamaRunner._layers' calls, in C++",
+        py::call_guard<py::gil_scoped_release>());
 }

@@ -198,3 +198,39 @@ def test_forward_without_compiled_kernels_gives_the_same_logits(tiny, monkeypatc
     with_kernels = logits()
     monkeypatch.setattr(kernels, "decode_attention", lambda: None)
     torch.testing.assert_close(logits(), with_kernels, rtol=1e-5, atol=1e-5)
+
+
+def test_decoder_layers_in_one_call_give_the_python_loops_bits(tiny, monkeypatch):
+    """Short chunks go through ``kernels.decoder_layers`` (the layer loop in C++, without the GIL): the same logits,
+    features and cached K/V, bit for bit, as the Python loop, for sequences and a draft tree in one pass."""
+    from services import kernels
+    from services.tree import DraftTree
+
+    if kernels.decoder_layers() is None:
+        pytest.skip("the compiled kernels are not available on this machine")
+    target, _ = tiny
+    runner = make_runner(target)
+    assert runner.packed_layers is not None
+    calls = []
+    compiled = kernels.decoder_layers()
+    monkeypatch.setattr(kernels, "decoder_layers", lambda: lambda *args: calls.append(1) or compiled(*args))
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, target.vocab_size, (n,), generator=gen) for n in (9, 14, 5)]
+    rows = [torch.randint(0, target.vocab_size, (n,), generator=gen) for n in (1, 4, 7)]
+    trees = [None, None, DraftTree((0, 0, 1, 1, 2, 0))]
+
+    def one_pass(fused: bool):
+        monkeypatch.setattr(FastLlamaRunner, "fused", fused)
+        caches = []
+        for prompt in prompts:
+            caches.append(runner.new_cache())
+            runner.forward(prompt, caches[-1])
+        logits, features = runner.forward_batch(list(zip(rows, caches)), trees=trees)
+        return logits, features, [cache.buffer[..., : cache.seq_len, :].clone() for cache in caches]
+
+    fused = one_pass(True)
+    assert len(calls) == 4  # (the short prompts, then the pass)
+    python = one_pass(False)
+    assert len(calls) == 4
+    for got, expected in zip(fused, python):
+        assert all(torch.equal(a, b) for a, b in zip(got, expected))
