@@ -2,6 +2,7 @@
 
     .venv/bin/python scripts/gemm_ab.py 7e7c3cb   # --rows 1,2,4,5,6,7,8,10,12,16 --rounds 3 --dtype float32|bfloat16
     .venv/bin/python scripts/gemm_ab.py 7e7c3cb --passes 1x1,1x5,2x5,4x2,8x1,16x1   # whole verify passes
+    .venv/bin/python scripts/gemm_ab.py 5c5064a --passes 8x1,32x1 --gil   # beside a thread that wants the GIL
 
 Each side runs in a fresh process of its own (that commit's ``services/csrc`` built as a second extension), the two
 alternating round by round: timed in one process, the two kernels' weight copies sit in different memory, and
@@ -9,7 +10,9 @@ whichever runs second after the other is measurably faster, so side by side in o
 more here. A process times every matmul of the default target (30 layers' QKV, output, gate-up and down
 projections, then the LM head; bfloat16: a 4-layer drafter and an 8192-row head) on random weights, median of 7,
 for each row count; with ``--passes`` (sessions x rows each), verify passes of the default target instead (the
-engine's forward over every session's chunk, prompts of 60-210 tokens), median of 8. One torch thread.
+engine's forward over every session's chunk, prompts of 60-210 tokens), median of 8. One torch thread. ``--gil``:
+a Python thread beside the passes runs bytecode for a while every half millisecond, as a replica's event loop does
+while it streams the other sessions' tokens (a build without ``decoder_layers`` runs the Python layer loop).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import argparse
 import json
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -26,13 +30,15 @@ import torch
 LAYER = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out, in): the default target's fused matmuls
 
 
-def _time_one(sources: str, tag: str, rows: list[int], bf16: bool, passes: list[str]) -> dict:
+def _time_one(sources: str, tag: str, rows: list[int], bf16: bool, passes: list[str], gil: bool = False) -> dict:
     from compare_kernels import _build
 
     from services.kernels import panels
 
     module = _build(Path(sources), f"splitspec_gemm_ab_{tag}")
     if passes:
+        if gil:
+            threading.Thread(target=_wants_the_gil, daemon=True).start()
         return _time_passes(module, passes)
     try:
         width = module.panel_width(bf16)
@@ -55,6 +61,12 @@ def _time_one(sources: str, tag: str, rows: list[int], bf16: bool, passes: list[
             times.append((time.perf_counter() - start) * 1e3)
         medians[m] = sorted(times)[3]
     return medians
+
+
+def _wants_the_gil() -> None:
+    while True:
+        sum(range(2000))
+        time.sleep(0.0005)
 
 
 class _OneWidth:
@@ -111,13 +123,14 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--passes", default="", help="sessions x rows of verify passes to time, e.g. 1x1,8x1")
+    parser.add_argument("--gil", action="store_true", help="time the passes beside a thread that wants the GIL")
     parser.add_argument("--one", nargs=2, metavar=("SOURCES", "TAG"), help=argparse.SUPPRESS)  # a side's process
     args = parser.parse_args()
     torch.set_num_threads(1)
     rows = [int(r) for r in args.rows.split(",")]
     if args.one:
         passes = [p for p in args.passes.split(",") if p]
-        print(json.dumps(_time_one(*args.one, rows, args.dtype == "bfloat16", passes)))
+        print(json.dumps(_time_one(*args.one, rows, args.dtype == "bfloat16", passes, args.gil)))
         return
     from compare_kernels import _earlier_sources
 
@@ -127,10 +140,11 @@ def main() -> None:
     for _ in range(args.rounds):
         for side, sources in sides.items():
             command = [sys.executable, __file__, "--one", sources, f"{side}_{args.commit}", "--rows", args.rows,
-                       "--dtype", args.dtype, "--passes", args.passes]
+                       "--dtype", args.dtype, "--passes", args.passes] + (["--gil"] if args.gil else [])
             out = subprocess.run(command, check=True, capture_output=True, text=True).stdout
             runs[side].append(json.loads(out.strip().splitlines()[-1]))
     what = "verify pass (sessions x rows)" if args.passes else f"pass over the matmuls ({args.dtype})"
+    what += ", beside a thread that wants the GIL" if args.gil else ""
     print(f"ms per {what}, {args.commit} -> current, each round a process per side:")
     for m in (args.passes.split(",") if args.passes else map(str, rows)):
         before, now = ([run[m] for run in runs[side]] for side in ("earlier", "current"))

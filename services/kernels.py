@@ -123,5 +123,4 @@ def decoder_layers():
     parents) -> x`` after every layer, or None if unavailable: ``FastLlamaRunner._layers``' torch calls over short
     chunks (each projection through ``skinny_gemm``, attention through ``decode_attention``) made in C++, the same
     bits. ``layers``: per layer ``[ln1, qkv, o, ln2, gate_up, down]``, the projections packed (``pack_weight``)."""
-    module = _kernels()
-    return None if module is None else module.decoder_layers
+    return getattr(_kernels(), "decoder_layers", None)  # (None too in an earlier build without it: benchmarks)
