@@ -27,6 +27,7 @@ DEFAULT_APP_NAME = "splitspec"
 # holds back every first token to the last (splitspec bench load, c=8: TTFT p50 2.4 s with 512 rows, 0.6 s with 64).
 # Draft calls are k rows, verify calls k + 1.
 DEFAULT_BATCH_ROWS = {"prefill": 64, "draft": 32, "verify": 32}
+DEFAULT_ENGINE_NICE = {"prefill": None, "draft": None, "verify": None}  # None: as Ray starts its workers (nice 15)
 
 
 class _Strict(BaseModel):
@@ -55,6 +56,13 @@ class StageConfig(_Strict):
     max_batch_rows: int = Field(
         0, ge=0, description="rows (tokens) one batched pass takes from concurrent requests' calls; "
         f"0 = the stage's default: {DEFAULT_BATCH_ROWS}",
+    )
+    engine_nice: int | None = Field(
+        None, ge=-20, le=19, description="niceness of the replica's engine thread (the one that runs its passes); "
+        f"empty = the stage's default: {DEFAULT_ENGINE_NICE}, None leaving it as Ray starts workers (15, below Ray's "
+        "own threads at 0). 0 for verify: more throughput at high concurrency, later first tokens and a longer "
+        "inter-token tail at moderate load (README, 'Under load'). Below 15 needs CAP_SYS_NICE or RLIMIT_NICE: "
+        "without, the replica logs why and goes on",
     )
     placement: Placement = Field(default_factory=Placement, description="hardware pinning of this stage")
     device: str = Field("cpu", description="where the stage's model and KV live: cpu or cuda (needs placement.num_gpus > 0)")
@@ -231,6 +239,11 @@ class AppConfig(_Strict):
 
     def stage(self, name: str) -> StageConfig:
         return getattr(self.stages, name)
+
+    def engine_nice(self, name: str) -> int | None:
+        """Niceness of the stage's engine thread (None: leave it)."""
+        nice = self.stage(name).engine_nice
+        return DEFAULT_ENGINE_NICE[name] if nice is None else nice
 
     def batch_rows(self, name: str) -> int:
         """Rows one batched pass of the stage takes."""

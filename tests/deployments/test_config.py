@@ -61,3 +61,27 @@ def test_stage_access_log(access_log):
     assert [d.name for d in stages] == ["Prefill", "Draft", "Verify"]
     assert all(d._deployment_config.logging_config["enable_access_log"] is access_log for d in stages)
     assert (ingress._deployment_config.logging_config or {}).get("enable_access_log", True) is True
+
+
+def test_engine_nice_defaults_and_bounds():
+    """Engine threads stay as Ray starts workers unless a stage sets its niceness (None: no call)."""
+    config = AppConfig()
+    assert (config.engine_nice("verify"), config.engine_nice("prefill"), config.engine_nice("draft")) == (None,) * 3
+    assert AppConfig.model_validate({"stages": {"verify": {"engine_nice": 0}}}).engine_nice("verify") == 0
+    with pytest.raises(ValidationError, match="engine_nice"):
+        AppConfig.model_validate({"stages": {"verify": {"engine_nice": 25}}})
+
+
+def test_engine_thread_without_the_right_to_its_niceness_logs_and_goes_on(monkeypatch, caplog):
+    import os
+
+    from deployments import stages
+
+    def refused(*args):
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(os, "setpriority", refused)
+    with caplog.at_level("WARNING", logger=stages.logger.name):
+        stages._engine_thread(0)
+    assert "CAP_SYS_NICE" in caplog.text
+    stages._engine_thread(None)  # (nothing to set: no call)

@@ -21,7 +21,8 @@ POLICIES = [dict(speculate=True, drafter=drafter, num_draft_tokens=k)
 
 @pytest.fixture(scope="module")
 def client():
-    with serving(make_config(faults={"enabled": True})) as client:  # colocate_drafter: the default
+    with serving(make_config(faults={"enabled": True}, stages={"verify": {"engine_nice": 0}})) as client:
+        # (colocate_drafter: the default)
         yield client
 
 
@@ -134,3 +135,13 @@ def test_policy_state_reports_what_the_replica_learned(client):
     client.generate(messages=[("user", PROMPTS[4])], max_new_tokens=MAX_NEW_TOKENS, drafter="eagle", num_draft_tokens=0)
     state = handle("SpecDecodeIngress").policy_state.remote().result(timeout_s=60)["verify_replica"]["eagle"]
     assert state["verify_ms"] and state["propose_ms"] and state["acceptance_by_position"], state
+
+
+def test_verify_engine_thread_runs_at_its_configured_niceness(client):
+    """stages.verify.engine_nice (0 here) where the process may lower its niceness; else Ray's 15, logged."""
+    import os
+
+    verify, prefill = _stats("Verify")["engine_nice"], _stats("Prefill")["engine_nice"]
+    may_lower = os.geteuid() == 0  # (or CAP_SYS_NICE / RLIMIT_NICE: not needed here)
+    assert verify == (0 if may_lower else 15) or (not may_lower and verify == 0)
+    assert prefill >= verify  # (prefill: as Ray starts workers)
