@@ -27,7 +27,6 @@ DEFAULT_APP_NAME = "splitspec"
 # holds back every first token to the last (splitspec bench load, c=8: TTFT p50 2.4 s with 512 rows, 0.6 s with 64).
 # Draft calls are k rows, verify calls k + 1.
 DEFAULT_BATCH_ROWS = {"prefill": 64, "draft": 32, "verify": 32}
-DEFAULT_ENGINE_NICE = {"prefill": None, "draft": None, "verify": None}  # None: as Ray starts its workers (nice 15)
 
 
 class _Strict(BaseModel):
@@ -59,8 +58,7 @@ class StageConfig(_Strict):
     )
     engine_nice: int | None = Field(
         None, ge=-20, le=19, description="niceness of the replica's engine thread (the one that runs its passes); "
-        f"empty = the stage's default: {DEFAULT_ENGINE_NICE}, None leaving it as Ray starts workers (15, below Ray's "
-        "own threads at 0). 0 for verify: more throughput at high concurrency, later first tokens and a longer "
+        "empty = as Ray starts workers (15, below Ray's own threads at 0). 0 for verify: more throughput at high concurrency, later first tokens and a longer "
         "inter-token tail at moderate load (README, 'Under load'). Below 15 needs CAP_SYS_NICE or RLIMIT_NICE: "
         "without, the replica logs why and goes on",
     )
@@ -239,11 +237,6 @@ class AppConfig(_Strict):
 
     def stage(self, name: str) -> StageConfig:
         return getattr(self.stages, name)
-
-    def engine_nice(self, name: str) -> int | None:
-        """Niceness of the stage's engine thread (None: leave it)."""
-        nice = self.stage(name).engine_nice
-        return DEFAULT_ENGINE_NICE[name] if nice is None else nice
 
     def batch_rows(self, name: str) -> int:
         """Rows one batched pass of the stage takes."""

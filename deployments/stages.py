@@ -169,7 +169,7 @@ class _Stage:
         self.config = AppConfig.model_validate(config)
         set_num_threads(self.config.stage(self.stage).threads)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"splitspec-{self.stage}",
-                                            initializer=_engine_thread, initargs=(self.config.engine_nice(self.stage),))
+                                            initializer=_engine_thread, initargs=(self.config.stage(self.stage).engine_nice,))
         self.engine_nice = self._executor.submit(os.getpriority, os.PRIO_PROCESS, 0).result()  # (0: this thread)
         self.opened = 0  # sessions opened on this replica
         self.session_metrics = SessionMetrics(self.stage)  # batched passes (every stage); sessions (draft, verify)

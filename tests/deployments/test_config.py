@@ -66,8 +66,8 @@ def test_stage_access_log(access_log):
 def test_engine_nice_defaults_and_bounds():
     """Engine threads stay as Ray starts workers unless a stage sets its niceness (None: no call)."""
     config = AppConfig()
-    assert (config.engine_nice("verify"), config.engine_nice("prefill"), config.engine_nice("draft")) == (None,) * 3
-    assert AppConfig.model_validate({"stages": {"verify": {"engine_nice": 0}}}).engine_nice("verify") == 0
+    assert [config.stage(name).engine_nice for name in ("verify", "prefill", "draft")] == [None] * 3
+    assert AppConfig.model_validate({"stages": {"verify": {"engine_nice": 0}}}).stage("verify").engine_nice == 0
     with pytest.raises(ValidationError, match="engine_nice"):
         AppConfig.model_validate({"stages": {"verify": {"engine_nice": 25}}})
 
