@@ -62,6 +62,13 @@ class StageConfig(_Strict):
         "inter-token tail at moderate load (README, 'Under load'). Below 15 needs CAP_SYS_NICE or RLIMIT_NICE: "
         "without, the replica logs why and goes on",
     )
+    saturated_nice: int | None = Field(
+        0, ge=-20, le=19, description="niceness of the engine thread while the replica is saturated (its passes take "
+        "saturated_calls calls or more; back to engine_nice below half as many): the bottleneck of every stream in "
+        "the pass preempted by nothing at nice 0 (README, 'Under load'). Empty = no change by load",
+    )
+    saturated_calls: int = Field(16, ge=1, description="calls (sessions) in one pass from which the replica counts as "
+                                 "saturated (saturated_nice)")
     placement: Placement = Field(default_factory=Placement, description="hardware pinning of this stage")
     device: str = Field("cpu", description="where the stage's model and KV live: cpu or cuda (needs placement.num_gpus > 0)")
     dtype: str = Field("", description="weights dtype of this stage (float32, bfloat16, float16); empty = models.dtype")

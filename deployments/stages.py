@@ -31,6 +31,7 @@ from deployments.batching import ContinuousBatcher
 from deployments.config import AppConfig
 from deployments.faults import FaultPoints
 from deployments.metrics import SessionMetrics
+from deployments.priority import EnginePriority
 from deployments.routing import pin
 from deployments.status import DRAFT_FAILURES, unwrap
 from services import eagle_draft
@@ -170,7 +171,9 @@ class _Stage:
         set_num_threads(self.config.stage(self.stage).threads)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"splitspec-{self.stage}",
                                             initializer=_engine_thread, initargs=(self.config.stage(self.stage).engine_nice,))
-        self.engine_nice = self._executor.submit(os.getpriority, os.PRIO_PROCESS, 0).result()  # (0: this thread)
+        started_nice = self._executor.submit(os.getpriority, os.PRIO_PROCESS, 0).result()  # (0: this thread)
+        stage_config = self.config.stage(self.stage)
+        self.priority = EnginePriority(started_nice, stage_config.saturated_nice, stage_config.saturated_calls)
         self.opened = 0  # sessions opened on this replica
         self.session_metrics = SessionMetrics(self.stage)  # batched passes (every stage); sessions (draft, verify)
         self.faults = FaultPoints(self.config.faults.enabled, self.fault_methods)
@@ -184,11 +187,13 @@ class _Stage:
 
     async def stats(self) -> dict:
         """This replica's sessions: open now, opened in all, KV bytes held; its batched passes: how many ran, and
-        the most sessions' calls one of them took; calls held by a fault (tests); its resident memory."""
+        the most sessions' calls one of them took; calls held by a fault (tests); its resident memory; its engine
+        thread's niceness now, and how often load changed it (deployments.priority)."""
         sessions, kv_bytes = await self._run(self._session_counts)
         return {"replica_id": _identity()[0], "sessions": sessions, "opened": self.opened, "kv_bytes": kv_bytes,
                 "passes": self.batcher.passes, "largest_pass": self.batcher.largest_pass, "held": self.faults.held,
-                "rss_bytes": rss_bytes(), "engine_nice": self.engine_nice}
+                "rss_bytes": rss_bytes(), "engine_nice": self.priority.current,
+                "engine_nice_switches": self.priority.switches}
 
     async def collect_garbage(self) -> int:
         """Run Python's cycle collector now (a soak's check: objects kept only by reference cycles, e.g. a failed
@@ -213,7 +218,13 @@ class _Stage:
         """Continuous batching of this replica's engine calls, each pass recorded in the batch histograms of
         ``metrics``' stage (default: this replica's), with that stage's rows a pass."""
         metrics = metrics or self.session_metrics
-        return ContinuousBatcher(run_pass, max_rows=self.config.batch_rows(metrics.stage),
+
+        async def prioritized(calls: list) -> list:
+            if (nice := self.priority.for_pass(len(calls))) is not None:
+                self._executor.submit(self.priority.apply, nice)  # (one worker: it runs ahead of the pass)
+            return await run_pass(calls)
+
+        return ContinuousBatcher(prioritized, max_rows=self.config.batch_rows(metrics.stage),
                                  on_pass=lambda p: metrics.batched_pass(p.calls, p.rows), **options)
 
     async def _run(self, fn: Callable, *args):

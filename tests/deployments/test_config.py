@@ -72,6 +72,18 @@ def test_engine_nice_defaults_and_bounds():
         AppConfig.model_validate({"stages": {"verify": {"engine_nice": 25}}})
 
 
+def test_saturated_niceness_defaults_and_bounds():
+    """Every stage's engine thread goes to nice 0 from passes of 16 calls on, unless its config says otherwise."""
+    config = AppConfig()
+    assert [(config.stage(name).saturated_nice, config.stage(name).saturated_calls)
+            for name in ("verify", "prefill", "draft")] == [(0, 16)] * 3
+    custom = AppConfig.model_validate({"stages": {"verify": {"saturated_nice": None, "saturated_calls": 4}}})
+    assert (custom.stage("verify").saturated_nice, custom.stage("verify").saturated_calls) == (None, 4)
+    for bad in ({"saturated_nice": -21}, {"saturated_calls": 0}):
+        with pytest.raises(ValidationError, match=next(iter(bad))):
+            AppConfig.model_validate({"stages": {"verify": bad}})
+
+
 def test_engine_thread_without_the_right_to_its_niceness_logs_and_goes_on(monkeypatch, caplog):
     import os
 

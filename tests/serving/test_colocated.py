@@ -21,7 +21,9 @@ POLICIES = [dict(speculate=True, drafter=drafter, num_draft_tokens=k)
 
 @pytest.fixture(scope="module")
 def client():
-    with serving(make_config(faults={"enabled": True}, stages={"verify": {"engine_nice": 0}})) as client:
+    # (prefill: saturated from one call on, at nice 19: a raise, which needs no privilege)
+    stages = {"verify": {"engine_nice": 0}, "prefill": {"saturated_nice": 19, "saturated_calls": 1}}
+    with serving(make_config(faults={"enabled": True}, stages=stages)) as client:
         # (colocate_drafter: the default)
         yield client
 
@@ -144,4 +146,11 @@ def test_verify_engine_thread_runs_at_its_configured_niceness(client):
     verify, prefill = _stats("Verify")["engine_nice"], _stats("Prefill")["engine_nice"]
     may_lower = os.geteuid() == 0  # (or CAP_SYS_NICE / RLIMIT_NICE: not needed here)
     assert (verify == 0) if may_lower else (verify in (0, 15))
-    assert prefill >= verify  # (prefill: as Ray starts workers)
+    assert prefill >= verify  # (prefill: as Ray starts workers, or 19 once saturated)
+
+
+def test_a_saturated_engine_thread_runs_at_its_saturated_niceness(client):
+    """stages.prefill.saturated_nice (19 here, from passes of one call on): set on the engine thread before the pass."""
+    client.generate(messages=[("user", PROMPTS[1])], max_new_tokens=2, speculate=False)
+    prefill = _stats("Prefill")
+    assert prefill["engine_nice"] == 19 and prefill["engine_nice_switches"] == 1, prefill
