@@ -3,6 +3,7 @@
     .venv/bin/python scripts/gemm_ab.py 7e7c3cb   # --rows 1,2,4,5,6,7,8,10,12,16 --rounds 3 --dtype float32|bfloat16
     .venv/bin/python scripts/gemm_ab.py 7e7c3cb --passes 1x1,1x5,2x5,4x2,8x1,16x1   # whole verify passes
     .venv/bin/python scripts/gemm_ab.py 5c5064a --passes 8x1,32x1 --gil   # beside a thread that wants the GIL
+    .venv/bin/python scripts/gemm_ab.py 8896060 --passes 1x1,8x1,32x1 --greedy   # greedy sessions' passes
 
 Each side runs in a fresh process of its own (that commit's ``services/csrc`` built as a second extension), the two
 alternating round by round: timed in one process, the two kernels' weight copies sit in different memory, and
@@ -13,6 +14,8 @@ for each row count; with ``--passes`` (sessions x rows each), verify passes of t
 engine's forward over every session's chunk, prompts of 60-210 tokens), median of 8. One torch thread. ``--gil``:
 a Python thread beside the passes runs bytecode for a while every half millisecond, as a replica's event loop does
 while it streams the other sessions' tokens (a build without ``decoder_layers`` runs the Python layer loop).
+``--greedy``: the passes' sessions are greedy (``forward_batch(greedy=...)``: their argmax ids, through
+``kernels.greedy_head`` where the build has it, else their logits' argmax).
 """
 
 from __future__ import annotations
@@ -30,7 +33,8 @@ import torch
 LAYER = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out, in): the default target's fused matmuls
 
 
-def _time_one(sources: str, tag: str, rows: list[int], bf16: bool, passes: list[str], gil: bool = False) -> dict:
+def _time_one(sources: str, tag: str, rows: list[int], bf16: bool, passes: list[str], gil: bool = False,
+              greedy: bool = False) -> dict:
     from compare_kernels import _build
 
     from services.kernels import panels
@@ -39,7 +43,7 @@ def _time_one(sources: str, tag: str, rows: list[int], bf16: bool, passes: list[
     if passes:
         if gil:
             threading.Thread(target=_wants_the_gil, daemon=True).start()
-        return _time_passes(module, passes)
+        return _time_passes(module, passes, greedy)
     try:
         width = module.panel_width(bf16)
     except TypeError:  # (kernels with one panel width for every dtype)
@@ -84,7 +88,7 @@ class _OneWidth:
         return getattr(self._module, name)
 
 
-def _time_passes(module, passes: list[str]) -> dict:
+def _time_passes(module, passes: list[str], greedy: bool = False) -> dict:
     """Median ms of the default target's verify passes with ``module``'s kernels."""
     from services import kernels
 
@@ -110,7 +114,7 @@ def _time_passes(module, passes: list[str]) -> dict:
         for _ in range(9):  # (the first warms up)
             chunks = [(torch.randint(5, 1000, (rows,), generator=gen), caches[j % 16]) for j in range(sessions)]
             start = time.perf_counter()
-            runner.forward_batch(chunks)
+            runner.forward_batch(chunks, greedy=[True] * sessions if greedy else None)
             times.append((time.perf_counter() - start) * 1e3)
             for _, cache in chunks:
                 cache.crop(cache.seq_len - rows)
@@ -126,13 +130,15 @@ def main() -> None:
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--passes", default="", help="sessions x rows of verify passes to time, e.g. 1x1,8x1")
     parser.add_argument("--gil", action="store_true", help="time the passes beside a thread that wants the GIL")
+    parser.add_argument("--greedy", action="store_true", help="the passes' sessions are greedy (argmax ids)")
     parser.add_argument("--one", nargs=2, metavar=("SOURCES", "TAG"), help=argparse.SUPPRESS)  # a side's process
     args = parser.parse_args()
     torch.set_num_threads(1)
     rows = [int(r) for r in args.rows.split(",")]
     if args.one:
         passes = [p for p in args.passes.split(",") if p]
-        print(json.dumps(_time_one(*args.one, rows, args.dtype == "bfloat16", passes, args.gil)))
+        print(json.dumps(_time_one(*args.one, rows, args.dtype == "bfloat16", passes, args.gil,
+                                    args.greedy)))
         return
     from compare_kernels import _earlier_sources
 
@@ -142,11 +148,13 @@ def main() -> None:
     for _ in range(args.rounds):
         for side, sources in sides.items():
             command = [sys.executable, __file__, "--one", sources, f"{side}_{args.commit}", "--rows", args.rows,
-                       "--dtype", args.dtype, "--passes", args.passes] + (["--gil"] if args.gil else [])
+                       "--dtype", args.dtype, "--passes", args.passes] + (["--gil"] if args.gil else []) \
+                + (["--greedy"] if args.greedy else [])
             out = subprocess.run(command, check=True, capture_output=True, text=True).stdout
             runs[side].append(json.loads(out.strip().splitlines()[-1]))
     what = "verify pass (sessions x rows)" if args.passes else f"pass over the matmuls ({args.dtype})"
     what += ", beside a thread that wants the GIL" if args.gil else ""
+    what += ", greedy sessions" if args.greedy else ""
     print(f"ms per {what}, {args.commit} -> current, each round a process per side:")
     for m in (args.passes.split(",") if args.passes else map(str, rows)):
         before, now = ([run[m] for run in runs[side]] for side in ("earlier", "current"))

@@ -6,12 +6,16 @@
   (``csrc/skinny_gemm.cpp``);
 * ``decoder_layers()`` returns a function running every decoder layer over
   short chunks in one call without the GIL (``csrc/decoder_layers.cpp``);
+* ``greedy_head()`` returns a function giving each row's argmax of
+  ``x @ w.T`` — that of ``skinny_gemm``'s logits, bit for bit — through a
+  bfloat16 screen with an error bound and the exact logits of the few
+  candidates it leaves (``csrc/greedy_head.cpp``; AVX512_BF16 only);
 * ``decode_attention()`` returns a function that appends several sequences'
   short chunks to their KV caches and computes their attention in one call
   (``csrc/decode_attention.cpp``), where SDPA would be one call per sequence
   and layer.
 
-Both use AVX-512 where the CPU has it, else AVX2, and both are None where the
+They use AVX-512 where the CPU has it, else AVX2, and are None where the
 module cannot be built (no AVX2/FMA, no compiler or ninja, or
 ``SPLITSPEC_NO_KERNELS`` set); callers then use BLAS and SDPA. The first
 build takes about a minute and is cached by torch under
@@ -31,7 +35,7 @@ logger = logging.getLogger(__name__)
 SKINNY_MAX_ROWS = 32  # beyond this many rows a BLAS GEMM is compute-efficient enough
 DECODE_ATTENTION_MAX_ROWS = 32  # longer chunks (prompts) take SDPA, whose blocked kernel suits them
 _SOURCES = [Path(__file__).parent / "csrc" / name for name in ("bindings.cpp", "skinny_gemm.cpp", "decode_attention.cpp",
-                                                               "decoder_layers.cpp")]
+                                                               "decoder_layers.cpp", "greedy_head.cpp")]
 
 
 def _cpu_flags() -> set[str]:
@@ -47,7 +51,9 @@ def _cpu_flags() -> set[str]:
 
 def build_flags() -> list[str]:
     """The compiler flags of the kernels on this CPU (AVX-512 where it has it)."""
-    return ["-O3", "-mavx2", "-mfma"] + (["-mavx512f"] if "avx512f" in _cpu_flags() else [])
+    flags = _cpu_flags()
+    return (["-O3", "-mavx2", "-mfma"] + (["-mavx512f"] if "avx512f" in flags else [])
+            + (["-mavx512bf16", "-mavx512bw"] if {"avx512f", "avx512_bf16", "avx512bw"} <= flags else []))
 
 
 def _build():
@@ -124,3 +130,30 @@ def decoder_layers():
     chunks (each projection through ``skinny_gemm``, attention through ``decode_attention``) made in C++, the same
     bits. ``layers``: per layer ``[ln1, qkv, o, ln2, gate_up, down]``, the projections packed (``pack_weight``)."""
     return getattr(_kernels(), "decoder_layers", None)  # (None too in an earlier build without it: benchmarks)
+
+
+def greedy_head():
+    """``(x [m, in], pack_screen(w), pack_weight(w), row_norms(w), out) -> (ids [m], candidates [m])``: per row the
+    argmax of ``x @ w.T`` as ``skinny_gemm``'s float32 logits give it, through a bfloat16 screen and the exact
+    logits of its few candidates (``csrc/greedy_head.cpp``; -1 for a row with a value that is not finite), or None
+    where it is not built (no AVX512_BF16) or the kernels are unavailable."""
+    module = _kernels()
+    built = module is not None and getattr(module, "greedy_head_built", lambda: False)()
+    return module.greedy_head if built else None
+
+
+def pack_screen(weight: torch.Tensor) -> torch.Tensor:  # [out, in] float32 -> [ceil(out / 32), ceil(in / 2), 32] int32
+    """``weight`` rounded to bfloat16 (nearest even), each output's inputs in pairs (2i low, 2i + 1 high: the
+    operand of AVX512_BF16's dot product), in panels of 32 outputs (``greedy_head``'s screen)."""
+    out, inputs = weight.shape
+    padded = torch.zeros(out, inputs + inputs % 2, dtype=torch.bfloat16)
+    padded[:, :inputs] = weight
+    pairs = padded.view(torch.int16).view(out, -1, 2).contiguous().view(torch.int32).view(out, -1)  # [out, in / 2]
+    return panels(pairs, 32)
+
+
+def row_norms(weight: torch.Tensor) -> torch.Tensor:  # [out, in] -> [out] float32
+    """Each row's Euclidean norm, computed in float64 and rounded up to float32 (``greedy_head``'s error bound)."""
+    norms = weight.double().norm(dim=1)
+    rounded = norms.float()
+    return torch.where(rounded.double() < norms, torch.nextafter(rounded, torch.tensor(float("inf"))), rounded)

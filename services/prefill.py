@@ -96,8 +96,9 @@ class PrefillEngine:
         if not checked:
             return results
         all_logits, all_features = self.runner.forward_batch(
-            [(torch.tensor(ids), cache) for _, _, ids, cache, _ in checked], last_only=True
-        )  # per prompt: [1, vocab_size], [rows, hidden]
+            [(torch.tensor(ids), cache) for _, _, ids, cache, _ in checked], last_only=True,
+            greedy=[call.params.greedy for _, call, *_ in checked],
+        )  # per prompt: [1, vocab_size] ([1] argmax id if greedy), [rows, hidden]
         for (slot, call, ids, cache, feats), logits, chunk_features in zip(checked, all_logits, all_features):
             if call.features:
                 feats.append(chunk_features.to(FEATURE_DTYPE))
@@ -106,8 +107,11 @@ class PrefillEngine:
                 self._partial[call.request_id] = (cache, feats)
                 results[slot] = PrefillProgress(done)
                 continue
-            probs = logits_to_probs(logits, call.params)  # [1, vocab_size]
-            first_token = int(sample(probs, make_generator(call.params.seed, PREFILL_STREAM))[0])
+            if call.params.greedy:
+                first_token = int(logits[0])  # (the argmax id)
+            else:
+                probs = logits_to_probs(logits, call.params)  # [1, vocab_size]
+                first_token = int(sample(probs, make_generator(call.params.seed, PREFILL_STREAM))[0])
             result = PrefillResult(
                 first_token=first_token,
                 payload=cache.export(self.target.fingerprint),

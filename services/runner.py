@@ -76,10 +76,12 @@ class ModelRunner:
         chunks: list[tuple[torch.Tensor, KVCache]],  # per sequence: its new tokens [n_i] and its own KV
         *,
         last_only: bool = False,
+        greedy: list[bool] | None = None,  # per chunk: its argmax ids [n_i or 1] instead of its logits
     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:  # per sequence: logits [n_i or 1, vocab_size], features [n_i, hidden]
         """Each chunk in turn (transformers' cache holds one sequence: no shared pass here, same results)."""
         outs = [self.forward(ids, cache, last_only=last_only, return_features=True) for ids, cache in chunks]
-        return [logits for logits, _ in outs], [features for _, features in outs]
+        greedy = greedy or [False] * len(chunks)
+        return [logits.argmax(-1) if flag else logits for (logits, _), flag in zip(outs, greedy)], [f for _, f in outs]
 
 
 def cache_kwarg(model) -> str:

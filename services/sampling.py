@@ -134,7 +134,7 @@ class SpeculativeResult:
 
 def greedy_verify(
     draft_token_ids: torch.Tensor,  # [k]
-    target_logits: torch.Tensor,  # [k + 1, vocab_size]
+    target_ids: torch.Tensor,  # [k + 1]: the argmax of the target's logits at each position
 ) -> SpeculativeResult:
     """Algorithm 1 with one-hot p and q (temperature 0), without building them.
 
@@ -143,7 +143,6 @@ def greedy_verify(
     recovered token, or the bonus token after k matches).
     """
     k = draft_token_ids.shape[0]
-    target_ids = target_logits.argmax(dim=-1)  # [k + 1]
     agree = (target_ids[:k] == draft_token_ids).tolist()
     n_matches = agree.index(False) if False in agree else k
     token_ids = draft_token_ids[:n_matches].tolist() + [int(target_ids[n_matches])]

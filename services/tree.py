@@ -116,10 +116,10 @@ class DraftTree:
             mask[i] |= mask[p]
         return mask
 
-    def greedy_walk(self, draft: torch.Tensor, logits: torch.Tensor) -> tuple[list[int], int]:
+    def greedy_walk(self, draft: torch.Tensor, target_ids: torch.Tensor) -> tuple[list[int], int]:
         """(accepted rows, in order; the bonus token): follow the target's argmax from the pending token while it
-        is a child of the current row. ``draft`` [k] ids, ``logits`` [k + 1, vocab_size]."""
-        argmax = logits.argmax(dim=-1).tolist()  # [k + 1]
+        is a child of the current row. ``draft`` [k] ids, ``target_ids`` [k + 1] the argmax of each row's logits."""
+        argmax = target_ids.tolist()  # [k + 1]
         ids = draft.tolist()
         path, row = [], 0
         while True:

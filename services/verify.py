@@ -118,9 +118,11 @@ class VerifyEngine:
         chunks = [(torch.cat([torch.tensor([session.pending]), draft]), session.cache) for _, _, session, draft, _ in checked]
         starts = [session.cache.seq_len for _, _, session, _, _ in checked]
         trees = [tree for *_, tree in checked]
-        all_logits, all_features = self.runner.forward_batch(  # per session: [k + 1, V], [k + 1, hidden]
-            chunks, **({"trees": trees} if any(trees) else {}))
+        greedy = [session.params.greedy for _, _, session, _, _ in checked]
+        all_logits, all_features = self.runner.forward_batch(  # per session: [k + 1, V] ([k + 1] ids if greedy), [k + 1, hidden]
+            chunks, greedy=greedy, **({"trees": trees} if any(trees) else {}))
         for (slot, call, session, draft, tree), start, logits, features in zip(checked, starts, all_logits, all_features):
+            # (a greedy session's ``logits`` are the argmax ids of its rows [k + 1]: all that greedy verification reads)
             # 2. exact accept / reject (services.sampling); a tree: the target's greedy path through it
             if tree is not None:
                 path, bonus = tree.greedy_walk(draft, logits)

@@ -1,6 +1,7 @@
 // The Python module of the compiled kernels (services/kernels.py builds it on first use).
 #include <torch/extension.h>
 
+#include <tuple>
 #include <vector>
 
 namespace splitspec {
@@ -13,6 +14,9 @@ at::Tensor decoder_layers(at::Tensor x, std::vector<std::vector<at::Tensor>> lay
                           double eps, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t intermediate,
                           std::vector<at::Tensor> caches, std::vector<int64_t> offsets, std::vector<int64_t> sizes,
                           std::vector<int64_t> starts, double scale, std::vector<std::vector<int64_t>> parents);
+bool greedy_head_built();
+std::tuple<at::Tensor, at::Tensor> greedy_head(at::Tensor x, at::Tensor screen, at::Tensor packed, at::Tensor norms,
+                                               int64_t out);
 }  // namespace splitspec
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -28,5 +32,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("parents") = std::vector<std::vector<int64_t>>(), py::call_guard<py::gil_scoped_release>());
   m.def("decoder_layers", &splitspec::decoder_layers,
         "every decoder layer over short chunks' rows: FastLlamaRunner._layers' calls, in C++",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("greedy_head_built", &splitspec::greedy_head_built, "whether greedy_head was built (AVX512_BF16)");
+  m.def("greedy_head", &splitspec::greedy_head,
+        "the argmax of x @ w.T per row, that of skinny_gemm's logits, through a bfloat16 screen",
         py::call_guard<py::gil_scoped_release>());
 }
