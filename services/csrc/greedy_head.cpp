@@ -14,7 +14,8 @@
 //    (with the default pair's features a median of 2, at most a few dozen). Each candidate's r[j] is computed
 //    exactly as skinny_gemm does (from 0, one fused multiply-add per input, i = 0, 1, ..., in - 1: the same bits),
 //    and the first of the largest wins, as torch.argmax picks.
-// A row with a value that is not finite gets -1: the caller computes its logits instead.
+// A row with a value that is not finite, or large enough that a product could overflow (|x| |w| n >= 1e37), gets -1:
+// the caller computes its logits instead.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -136,16 +137,19 @@ std::tuple<at::Tensor, at::Tensor> greedy_head(at::Tensor x, at::Tensor screen, 
   // the rows as bfloat16 pairs, which rows are finite, and each row's bound
   std::vector<uint32_t> xb(rows * pairs, 0);
   std::vector<char> finite(rows, 1);
+  const double wmax = out ? *std::max_element(np, np + out) : 0.0;  // >= every |w[j, i]| (a row's norm bounds it)
   std::vector<RowBound> bounds(rows);
   const double tiny = std::ldexp(1.0, -126), root_in = std::sqrt(static_cast<double>(in));
   for (int64_t m = 0; m < rows; ++m) {
-    double sq = 0.0;
+    double sq = 0.0, xmax = 0.0;
     for (int64_t i = 0; i < in; ++i) {
       const float v = xp[m * in + i];
-      if (!std::isfinite(v) || std::fabs(v) > 1e30f) finite[m] = 0;
+      if (!std::isfinite(v)) finite[m] = 0;
       sq += static_cast<double>(v) * v;
+      xmax = std::max(xmax, static_cast<double>(std::fabs(v)));
       if (finite[m]) xb[m * pairs + i / 2] |= static_cast<uint32_t>(to_bf16(v)) << (16 * (i % 2));
     }
+    if (!(xmax * wmax * in < 1e37)) finite[m] = 0;  // (no product or sum can overflow in either arithmetic)
     const double xnorm = std::sqrt(sq) * (1.0 + 1e-12);
     bounds[m] = {round_up(bound_scale * xnorm + tiny * root_in), round_up(tiny * (root_in * xnorm + in) + kBoundFloor)};
   }
@@ -153,7 +157,10 @@ std::tuple<at::Tensor, at::Tensor> greedy_head(at::Tensor x, at::Tensor screen, 
   const int64_t panels = screen.size(0), width = panels * kPanel;
   std::vector<float> panel_norms(width, std::numeric_limits<float>::infinity());
   std::memcpy(panel_norms.data(), np, out * sizeof(float));
-  std::vector<float> hi(rows * width), lo_max(rows * panels);
+  // (reused from call to call on this thread: a fresh 6 MB buffer a pass would be zeroed and faulted in each time)
+  thread_local std::vector<float> hi, lo_max;
+  if (hi.size() < static_cast<size_t>(rows * width)) hi.resize(rows * width);
+  if (lo_max.size() < static_cast<size_t>(rows * panels)) lo_max.resize(rows * panels);
   const uint32_t* sp = reinterpret_cast<const uint32_t*>(screen.data_ptr<int32_t>());
   const int64_t blocks = (rows + kBlockRows - 1) / kBlockRows;
   at::parallel_for(0, panels, 4, [&](int64_t begin, int64_t end) {
@@ -173,6 +180,7 @@ std::tuple<at::Tensor, at::Tensor> greedy_head(at::Tensor x, at::Tensor screen, 
     if (!finite[m]) continue;
     const float* hm = hi.data() + m * width;
     const float floor_ = *std::max_element(lo_max.begin() + m * panels, lo_max.begin() + (m + 1) * panels);
+    if (!std::isfinite(floor_)) continue;  // (x = 0 meets the padding's infinite norms: the logits decide)
     const __m512 level = _mm512_set1_ps(floor_);
     const float* xm = xp + m * in;
     auto exact = [&](int64_t j) {  // skinny_gemm's y[m, j]: from 0, one fused multiply-add per input, in order
