@@ -276,8 +276,10 @@ class FastLlamaRunner:
         Each sequence attends only to its own KV; a row's logits are what ``forward`` gives for its chunk alone.
         ``last_only``: logits of each chunk's last row only (prefill). A chunk with a tree: each row attends to the
         cached KV and its own ancestors, at the position of its depth (its K/V are appended in row order; keep the
-        accepted path with ``DenseKVCache.keep``). ``greedy``: those chunks get the argmax of each row's logits, the
-        same ids as ``logits.argmax(-1)``, through ``argmax`` (cheaper than the logits: ``kernels.greedy_head``).
+        accepted path with ``DenseKVCache.keep``). ``greedy``: those chunks get the argmax of each row's logits
+        through ``argmax`` (cheaper than the logits: ``kernels.greedy_head``): the ids of ``logits.argmax(-1)`` for
+        passes of up to ``SKINNY_MAX_ROWS`` head rows, and of each row's logits alone beyond (the BLAS GEMM a longer
+        ``greedy=None`` pass takes may round a near-tie otherwise).
         """
         sizes = [ids.shape[0] for ids, _ in chunks]
         features = self._rms_norm(self._layers(chunks, trees), self.norm)  # [N, hidden], N = sum(sizes)
@@ -286,6 +288,8 @@ class FastLlamaRunner:
         head_sizes = [1] * len(chunks) if last_only else sizes
         if not greedy or not any(greedy):
             return list(self._head(head_rows).split(head_sizes)), per_chunk
+        if len(greedy) != len(chunks):
+            raise ValueError(f"greedy has {len(greedy)} flags for {len(chunks)} chunks")
         wants_ids = torch.tensor([flag for flag, size in zip(greedy, head_sizes) for _ in range(size)])  # [rows]
         ids = self.argmax(head_rows[wants_ids]) if bool(wants_ids.any()) else None  # [greedy rows]
         logits = self._head(head_rows[~wants_ids]) if not bool(wants_ids.all()) else None  # [other rows, vocab_size]

@@ -5,17 +5,20 @@
 //    to bfloat16 (relative error <= u = 2^-8 each), products exact, sums in float32. Half the bytes of the float32
 //    weight to stream (one row) and twice the products per instruction (many rows).
 // 2. Bound: a screened logit a[j] and the float32 logit r[j] that skinny_gemm computes differ by at most
-//        (2u + u^2) S + 2 gamma_n (1 + u)^2 S,  S = sum_i |x_i| |w[j, i]| <= ||x|| ||w[j]||  (Cauchy-Schwarz),
-//    gamma_n = n 2^-24 / (1 - n 2^-24) the float32 summation bound of n terms (both sums), plus what flushing
-//    subnormal bfloat16 values (and results) to zero can change: at most 2^-126 (sqrt(n) (||x|| + ||w[j]||) + n).
-//    The factor of S is taken 2% larger (0.00806 for n = 576), the norms are computed in double and rounded up,
-//    and the comparisons below are made in double.
+//        (2u + u^2) S + g'_n (1 + u)^2 S + g_n S,  S = sum_i |x_i| |w[j, i]| <= ||x|| ||w[j]||  (Cauchy-Schwarz),
+//    g_n = n 2^-24 / (1 - n 2^-24) the bound of skinny_gemm's round-to-nearest float32 sum of n terms, g'_n the
+//    same with 2^-23 for the screen's sums (whatever rounding the CPU's dot product uses, as long as it is
+//    faithful), plus what flushing subnormal bfloat16 values (and results) to zero can change: at most
+//    2^-126 (sqrt(n) (||x|| + ||w[j]||) + n). The factor of S is taken 2% larger (0.00809 for n = 576), the norms
+//    are computed in double and rounded up to float32, and e, a + e and a - e are rounded outward (AVX-512's
+//    directed rounding), so the float32 comparisons below hold for the exact values.
 // 3. Candidates: the argmax of r has r >= L = max_j (a[j] - e[j]); every j with a[j] + e[j] >= L is a candidate
 //    (with the default pair's features a median of 2, at most a few dozen). Each candidate's r[j] is computed
 //    exactly as skinny_gemm does (from 0, one fused multiply-add per input, i = 0, 1, ..., in - 1: the same bits),
 //    and the first of the largest wins, as torch.argmax picks.
-// A row with a value that is not finite, or large enough that a product could overflow (|x| |w| n >= 1e37), gets -1:
-// the caller computes its logits instead.
+// A row with a value that is not finite, or large enough that a bfloat16 value or a product could overflow (|x| or
+// |x| |w| n >= 1e37), gets -1: the caller computes its logits instead. The ids are those of skinny_gemm's logits,
+// a row's alone whatever rows share the call (a BLAS GEMM over more than 32 rows may round near-ties otherwise).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -123,7 +126,8 @@ std::tuple<at::Tensor, at::Tensor> greedy_head(at::Tensor x, at::Tensor screen, 
               "packed [ceil(out / 32), in, 32] float32 (kernels.pack_weight)");
   TORCH_CHECK(norms.dtype() == at::kFloat && norms.numel() == out, "norms [out] float32");
   const double u = std::ldexp(1.0, -8), gamma = in * std::ldexp(1.0, -24) / (1.0 - in * std::ldexp(1.0, -24));
-  const double bound_scale = kBoundMargin * (2 * u + u * u + 2 * gamma * (1 + u) * (1 + u));
+  const double gamma_screen = in * std::ldexp(1.0, -23) / (1.0 - in * std::ldexp(1.0, -23));
+  const double bound_scale = kBoundMargin * (2 * u + u * u + gamma_screen * (1 + u) * (1 + u) + gamma);
   x = x.contiguous();
   screen = screen.contiguous();
   packed = packed.contiguous();
@@ -133,7 +137,7 @@ std::tuple<at::Tensor, at::Tensor> greedy_head(at::Tensor x, at::Tensor screen, 
   const float* np = norms.data_ptr<float>();
   auto ids = at::full({rows}, -1, x.options().dtype(at::kLong));
   auto counts = at::zeros({rows}, x.options().dtype(at::kLong));
-  if (rows == 0) return {ids, counts};
+  if (rows == 0 || in == 0 || out == 0) return {ids, counts};  // (nothing to screen: the logits decide)
   // the rows as bfloat16 pairs, which rows are finite, and each row's bound
   std::vector<uint32_t> xb(rows * pairs, 0);
   std::vector<char> finite(rows, 1);
@@ -149,7 +153,7 @@ std::tuple<at::Tensor, at::Tensor> greedy_head(at::Tensor x, at::Tensor screen, 
       xmax = std::max(xmax, static_cast<double>(std::fabs(v)));
       if (finite[m]) xb[m * pairs + i / 2] |= static_cast<uint32_t>(to_bf16(v)) << (16 * (i % 2));
     }
-    if (!(xmax * wmax * in < 1e37)) finite[m] = 0;  // (no product or sum can overflow in either arithmetic)
+    if (!(xmax < 1e37 && xmax * wmax * in < 1e37)) finite[m] = 0;  // (nothing can overflow in either arithmetic)
     const double xnorm = std::sqrt(sq) * (1.0 + 1e-12);
     bounds[m] = {round_up(bound_scale * xnorm + tiny * root_in), round_up(tiny * (root_in * xnorm + in) + kBoundFloor)};
   }
@@ -161,6 +165,8 @@ std::tuple<at::Tensor, at::Tensor> greedy_head(at::Tensor x, at::Tensor screen, 
   thread_local std::vector<float> hi, lo_max;
   if (hi.size() < static_cast<size_t>(rows * width)) hi.resize(rows * width);
   if (lo_max.size() < static_cast<size_t>(rows * panels)) lo_max.resize(rows * panels);
+  float* const hp = hi.data();  // (the lambda below runs on torch's worker threads too: their thread_locals differ)
+  float* const lp = lo_max.data();
   const uint32_t* sp = reinterpret_cast<const uint32_t*>(screen.data_ptr<int32_t>());
   const int64_t blocks = (rows + kBlockRows - 1) / kBlockRows;
   at::parallel_for(0, panels, 4, [&](int64_t begin, int64_t end) {
@@ -168,8 +174,8 @@ std::tuple<at::Tensor, at::Tensor> greedy_head(at::Tensor x, at::Tensor screen, 
       for (int64_t b = 0, m0 = 0; b < blocks; ++b) {
         const int64_t mb = (rows - m0) / (blocks - b);
         screen_block<kBlockRows>(mb, xb.data() + m0 * pairs, pairs, sp + p * pairs * kPanel,
-                                 panel_norms.data() + p * kPanel, bounds.data() + m0, hi.data() + m0 * width + p * kPanel,
-                                 width, lo_max.data() + m0 * panels + p, panels);
+                                 panel_norms.data() + p * kPanel, bounds.data() + m0, hp + m0 * width + p * kPanel,
+                                 width, lp + m0 * panels + p, panels);
         m0 += mb;
       }
   });
@@ -178,9 +184,9 @@ std::tuple<at::Tensor, at::Tensor> greedy_head(at::Tensor x, at::Tensor screen, 
   int64_t* cp = counts.data_ptr<int64_t>();
   for (int64_t m = 0; m < rows; ++m) {
     if (!finite[m]) continue;
-    const float* hm = hi.data() + m * width;
-    const float floor_ = *std::max_element(lo_max.begin() + m * panels, lo_max.begin() + (m + 1) * panels);
-    if (!std::isfinite(floor_)) continue;  // (x = 0 meets the padding's infinite norms: the logits decide)
+    const float* hm = hp + m * width;
+    const float floor_ = *std::max_element(lp + m * panels, lp + (m + 1) * panels);
+    if (!std::isfinite(floor_)) continue;  // (not expected: the logits decide)
     const __m512 level = _mm512_set1_ps(floor_);
     const float* xm = xp + m * in;
     auto exact = [&](int64_t j) {  // skinny_gemm's y[m, j]: from 0, one fused multiply-add per input, in order

@@ -33,6 +33,21 @@ def test_the_argmax_of_the_skinny_logits_flat_and_peaked(rows, inputs):
     assert int(counts.max()) < 50  # (the peaked rows: a few candidates, not the vocabulary)
 
 
+def test_the_same_ids_with_several_torch_threads():
+    """The screen's panels split across torch's threads (at::parallel_for): the same ids as with one."""
+    gen = torch.Generator().manual_seed(11)
+    weight = torch.randn(4001, 96, generator=gen) * 0.05  # (126 panels)
+    x = torch.randn(13, 96, generator=gen)
+    one = _argmax(x, weight)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        two = _argmax(x, weight)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(two[0], one[0]) and torch.equal(two[0], one[2]) and torch.equal(two[1], one[1])
+
+
 def test_exact_ties_go_to_the_first_and_one_ulp_decides():
     """Two equal rows of the weight: torch.argmax's first of the largest. Rows a few ulps apart: the float32 logits
     decide (the screen cannot tell them apart)."""
@@ -59,6 +74,9 @@ def test_a_row_that_is_not_finite_or_too_large_is_left_to_the_logits(tiny):
     assert ids.tolist()[1:] == [-1, -1] and int(ids[0]) >= 0
     zero = torch.zeros(1, 32)  # every logit 0: every id a candidate, the first wins
     assert _argmax(zero, weight)[0].tolist() == [0]
+    huge = torch.zeros(1, 32)
+    huge[0, 0] = 1e38  # (beyond bfloat16's range with any weight: not screened)
+    assert _argmax(huge, weight * 1e-45)[0].tolist() == [-1]
     runner = make_runner(tiny[0])
     features = torch.randn(3, runner.head.weight_t.shape[0], generator=gen)
     features[1, 0] = float("inf")
