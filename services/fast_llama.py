@@ -278,8 +278,8 @@ class FastLlamaRunner:
         cached KV and its own ancestors, at the position of its depth (its K/V are appended in row order; keep the
         accepted path with ``DenseKVCache.keep``). ``greedy``: those chunks get the argmax of each row's logits
         through ``argmax`` (cheaper than the logits: ``kernels.greedy_head``): the ids of ``logits.argmax(-1)`` for
-        passes of up to ``SKINNY_MAX_ROWS`` head rows, and of each row's logits alone beyond (the BLAS GEMM a longer
-        ``greedy=None`` pass takes may round a near-tie otherwise).
+        passes of up to ``SKINNY_MAX_ROWS`` head rows; beyond, the greedy rows' logits and the others' are computed
+        apart (a BLAS GEMM over many rows may round a near-tie otherwise than over some of them).
         """
         sizes = [ids.shape[0] for ids, _ in chunks]
         features = self._rms_norm(self._layers(chunks, trees), self.norm)  # [N, hidden], N = sum(sizes)
