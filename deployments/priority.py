@@ -15,6 +15,18 @@ import os
 logger = logging.getLogger(__name__)
 
 
+def set_thread_nice(nice: int, when: str = "") -> bool:
+    """The calling thread's niceness to ``nice`` (Linux: a thread's own). Where the process may not lower it (no
+    CAP_SYS_NICE or RLIMIT_NICE), log why and return False: the thread stays where it is."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, 0, nice)  # (0: the calling thread)
+    except OSError as exc:
+        logger.warning("the engine thread stays at nice %d, not %d%s (%s): a niceness below the process's needs "
+                       "CAP_SYS_NICE or RLIMIT_NICE", os.getpriority(os.PRIO_PROCESS, 0), nice, when, exc)
+        return False
+    return True
+
+
 class EnginePriority:
     """Decides before each pass, on the event loop, whether the engine thread's niceness changes, and changes it on
     the engine thread (``apply``, submitted to its one-worker executor ahead of the pass).
@@ -47,13 +59,9 @@ class EnginePriority:
         return None
 
     def apply(self, nice: int) -> None:
-        """On the engine thread: set its niceness. Where the process may not lower it (no CAP_SYS_NICE or
-        RLIMIT_NICE), log why once and stop trying: the thread stays where it is."""
-        try:
-            os.setpriority(os.PRIO_PROCESS, 0, nice)  # (Linux: 0 is the calling thread)
-        except OSError as exc:
-            logger.warning("the engine thread stays at nice %d, not %d under load (%s): a niceness below the "
-                           "process's needs CAP_SYS_NICE or RLIMIT_NICE", self.current, nice, exc)
+        """On the engine thread: set its niceness (``set_thread_nice``); where that is refused, stop trying (it was
+        logged once)."""
+        if not set_thread_nice(nice, " under load"):
             self.saturated_nice, self.saturated = None, False
             return
         self.current = nice

@@ -31,7 +31,7 @@ from deployments.batching import ContinuousBatcher
 from deployments.config import AppConfig
 from deployments.faults import FaultPoints
 from deployments.metrics import SessionMetrics
-from deployments.priority import EnginePriority
+from deployments.priority import EnginePriority, set_thread_nice
 from deployments.routing import pin
 from deployments.status import DRAFT_FAILURES, unwrap
 from services import eagle_draft
@@ -142,13 +142,8 @@ def _engine_thread(nice: int | None) -> None:
     """Start of a replica's engine thread: its niceness (stages.<stage>.engine_nice). On a CPU the engine thread is
     the critical path; Ray starts workers at nice 15, where every wakeup of Ray's own threads (nice 0) and of the
     other replicas preempts it (README, "Under load")."""
-    if nice is None or not hasattr(os, "setpriority"):
-        return
-    try:
-        os.setpriority(os.PRIO_PROCESS, 0, nice)  # (Linux: 0 is the calling thread)
-    except OSError as exc:
-        logger.warning("the engine thread stays at nice %d, not %d (%s): a niceness below the process's needs "
-                       "CAP_SYS_NICE or RLIMIT_NICE", os.getpriority(os.PRIO_PROCESS, 0), nice, exc)
+    if nice is not None and hasattr(os, "setpriority"):
+        set_thread_nice(nice)
 
 
 def rss_bytes() -> int:
@@ -168,11 +163,11 @@ class _Stage:
 
     def __init__(self, config: dict):
         self.config = AppConfig.model_validate(config)
-        set_num_threads(self.config.stage(self.stage).threads)
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"splitspec-{self.stage}",
-                                            initializer=_engine_thread, initargs=(self.config.stage(self.stage).engine_nice,))
-        started_nice = self._executor.submit(os.getpriority, os.PRIO_PROCESS, 0).result()  # (0: this thread)
         stage_config = self.config.stage(self.stage)
+        set_num_threads(stage_config.threads)
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"splitspec-{self.stage}",
+                                            initializer=_engine_thread, initargs=(stage_config.engine_nice,))
+        started_nice = self._executor.submit(os.getpriority, os.PRIO_PROCESS, 0).result()  # (0: this thread)
         self.priority = EnginePriority(started_nice, stage_config.saturated_nice, stage_config.saturated_calls)
         self.opened = 0  # sessions opened on this replica
         self.session_metrics = SessionMetrics(self.stage)  # batched passes (every stage); sessions (draft, verify)

@@ -143,7 +143,7 @@ std::tuple<at::Tensor, at::Tensor> greedy_head(at::Tensor x, at::Tensor screen, 
   // the rows as bfloat16 pairs, which rows are finite, and each row's bound
   std::vector<uint32_t> xb(rows * pairs, 0);
   std::vector<char> finite(rows, 1);
-  const double wmax = out ? *std::max_element(np, np + out) : 0.0;  // >= every |w[j, i]| (a row's norm bounds it)
+  const double wmax = *std::max_element(np, np + out);  // >= every |w[j, i]| (a row's norm bounds it)
   std::vector<RowBound> bounds(rows);
   const double tiny = std::ldexp(1.0, -126), root_in = std::sqrt(static_cast<double>(in));
   for (int64_t m = 0; m < rows; ++m) {

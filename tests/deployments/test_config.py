@@ -87,13 +87,13 @@ def test_saturated_niceness_defaults_and_bounds():
 def test_engine_thread_without_the_right_to_its_niceness_logs_and_goes_on(monkeypatch, caplog):
     import os
 
-    from deployments import stages
+    from deployments import priority, stages
 
     def refused(*args):
         raise PermissionError(1, "Operation not permitted")
 
     monkeypatch.setattr(os, "setpriority", refused)
-    with caplog.at_level("WARNING", logger=stages.logger.name):
+    with caplog.at_level("WARNING", logger=priority.logger.name):  # (deployments.priority.set_thread_nice logs it)
         stages._engine_thread(0)
     assert "CAP_SYS_NICE" in caplog.text
     stages._engine_thread(None)  # (nothing to set: no call)
