@@ -22,6 +22,9 @@ GRPC_SERVICER = "splitspec.v1.splitspec_pb2_grpc.add_SpecDecodeServicer_to_serve
 # the standard grpc.health.v1.Health service (Kubernetes' gRPC probes), answered by the ingress's Check
 HEALTH_SERVICER = "grpc_health.v1.health_pb2_grpc.add_HealthServicer_to_server"
 GRPC_SERVICERS = [GRPC_SERVICER, HEALTH_SERVICER]
+# Serve runs a replica's methods on an event loop in a thread of their own, and the router of the handles it calls on
+# another; a streamed item then crosses both threads in each replica it passes. config.replica_one_loop: one loop.
+LOOP_ENV_VARS = ("RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD", "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP")
 QUEUE_FULL_RETRY_AFTER_S = 1  # what a client told "queue full" (HTTP 429) is asked to wait
 # Serve's default health-check period is fine; replicas load models in their constructor.
 STAGE_DEPLOYMENTS = {"prefill": Prefill, "draft": Draft, "verify": Verify}
@@ -37,7 +40,7 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
             "num_replicas": stage.num_replicas,
             "max_ongoing_requests": stage.max_ongoing_requests,
             "graceful_shutdown_timeout_s": config.graceful_shutdown_timeout_s,
-            "ray_actor_options": actor_options(stage.placement),
+            "ray_actor_options": actor_options(stage.placement, config.replica_one_loop),
             "logging_config": {"enable_access_log": config.stage_access_log},
         }
         if name != "prefill":  # draft and verify hold sessions: pin each call to its replica
@@ -51,14 +54,16 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
         # a full queue: HTTP 429 with Retry-After, as the OpenAI API answers (gRPC: RESOURCE_EXHAUSTED either way)
         backpressure_config=BackpressureConfig(status_code=429, retry_after_s=QUEUE_FULL_RETRY_AFTER_S),
         graceful_shutdown_timeout_s=config.graceful_shutdown_timeout_s,
-        ray_actor_options=actor_options(config.ingress_placement),
+        ray_actor_options=actor_options(config.ingress_placement, config.replica_one_loop),
     )
     return ingress.bind(plain, stages["prefill"], stages["draft"], stages["verify"])
 
 
-def actor_options(placement: Placement) -> dict[str, Any]:
-    """Ray actor options that pin a replica: custom resources and/or a node label selector."""
-    options: dict[str, Any] = {"num_cpus": placement.num_cpus}
+def actor_options(placement: Placement, one_loop: bool = True) -> dict[str, Any]:
+    """Ray actor options that pin a replica (custom resources and/or a node label selector) and say where it runs its
+    methods and its handles' router: on its own event loop (``one_loop``), or each on a thread of its own."""
+    options: dict[str, Any] = {"num_cpus": placement.num_cpus,
+                               "runtime_env": {"env_vars": {name: "0" if one_loop else "1" for name in LOOP_ENV_VARS}}}
     if placement.num_gpus:
         options["num_gpus"] = placement.num_gpus
     if placement.resources:

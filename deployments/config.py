@@ -204,6 +204,13 @@ class AppConfig(_Strict):
         "second under load (on 2 cores they cost a quarter of the throughput at 8 streams); the ingress logs every "
         "request either way",
     )
+    replica_one_loop: bool = Field(
+        True, description="run each replica's methods, and the router of the handles it calls, on the replica's own "
+        "event loop (Serve's RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=0 and RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP=0 in "
+        "the replicas' environment): every streamed token then crosses two threads fewer in the verify replica and "
+        "the ingress (splitspec's methods never block that loop: engine work runs on each replica's engine thread, "
+        "tokenizing on the ingress's pool). false: Serve's default, a thread and a loop of their own",
+    )
     placement_timeout_s: float = Field(30.0, gt=0, description="how long a stage may stay unplaced before it is reported")
     graceful_shutdown_timeout_s: float = Field(
         10.0, ge=0, description="on stop, how long a replica lets its in-flight requests finish before it is killed"

@@ -12,6 +12,7 @@ import contextvars
 import dataclasses
 import gc
 import logging
+import threading
 import time
 from collections import defaultdict, deque
 from collections.abc import AsyncIterator, Callable
@@ -700,9 +701,11 @@ class SpecDecodeIngress(OpenAIRoutes):
     async def stats(self) -> dict:
         """This replica: requests running, resident memory, the lost stage replicas it has recovered from, by
         stage (``draft_replica_answered``: times a request that lost its draft replica found a live one), and the
-        requests it has finished, by "<method> <outcome>" (as splitspec_requests_total counts them)."""
+        requests it has finished, by "<method> <outcome>" (as splitspec_requests_total counts them); the thread its
+        methods run on (as the stages' ``loop_thread``)."""
         return {"replica_id": serve.get_replica_context().replica_id.unique_id, "active": self.active,
-                "rss_bytes": rss_bytes(), "recoveries": dict(self.recoveries), "requests": dict(self.metrics.outcomes)}
+                "rss_bytes": rss_bytes(), "recoveries": dict(self.recoveries), "requests": dict(self.metrics.outcomes),
+                "loop_thread": threading.current_thread().name}
 
     async def collect_garbage(self) -> int:
         """Run Python's cycle collector now (see Stage.collect_garbage); returns what it found."""

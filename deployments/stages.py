@@ -16,6 +16,7 @@ import gc
 import itertools
 import logging
 import os
+import threading
 import time
 from collections import defaultdict
 from collections.abc import AsyncIterator, Callable
@@ -183,12 +184,13 @@ class _Stage:
     async def stats(self) -> dict:
         """This replica's sessions: open now, opened in all, KV bytes held; its batched passes: how many ran, and
         the most sessions' calls one of them took; calls held by a fault (tests); its resident memory; its engine
-        thread's niceness now, and how often load changed it (deployments.priority)."""
+        thread's niceness now, and how often load changed it (deployments.priority); the thread its methods run on
+        (``loop_thread``: the replica's own event loop with config.replica_one_loop, else Serve's thread for them)."""
         sessions, kv_bytes = await self._run(self._session_counts)
         return {"replica_id": _identity()[0], "sessions": sessions, "opened": self.opened, "kv_bytes": kv_bytes,
                 "passes": self.batcher.passes, "largest_pass": self.batcher.largest_pass, "held": self.faults.held,
                 "rss_bytes": rss_bytes(), "engine_nice": self.priority.current,
-                "engine_nice_switches": self.priority.switches}
+                "engine_nice_switches": self.priority.switches, "loop_thread": threading.current_thread().name}
 
     async def collect_garbage(self) -> int:
         """Run Python's cycle collector now (a soak's check: objects kept only by reference cycles, e.g. a failed

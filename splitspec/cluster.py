@@ -38,6 +38,8 @@ def ray_env() -> None:
     os.environ.setdefault("RAY_SERVE_GRPC_MAX_MESSAGE_SIZE", str(MAX_GRPC_MESSAGE_BYTES))
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    # Serve's proxy too routes on its own event loop, not one more thread (replicas: config.replica_one_loop)
+    os.environ.setdefault("RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP", "0")
 
 
 def loopback_only() -> None:

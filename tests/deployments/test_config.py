@@ -63,6 +63,18 @@ def test_stage_access_log(access_log):
     assert (ingress._deployment_config.logging_config or {}).get("enable_access_log", True) is True
 
 
+@pytest.mark.parametrize("one_loop", [True, False])
+def test_replica_one_loop(one_loop):
+    """Every replica (the ingress too) runs its methods and its handles' router on its own event loop unless the
+    config says otherwise: Serve reads the two variables in the replica's process, from its runtime_env."""
+    ingress = build_app({"replica_one_loop": one_loop})._bound_deployment
+    replicas = [ingress] + [arg._bound_deployment for arg in ingress.init_args[1:]]
+    expected = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0" if one_loop else "1",
+                "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0" if one_loop else "1"}
+    assert [d.ray_actor_options["runtime_env"]["env_vars"] for d in replicas] == [expected] * 4
+    assert AppConfig().replica_one_loop is True
+
+
 def test_engine_nice_defaults_and_bounds():
     """Engine threads stay as Ray starts workers unless a stage sets its niceness (None: no call)."""
     config = AppConfig()

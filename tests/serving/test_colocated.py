@@ -154,3 +154,11 @@ def test_a_saturated_engine_thread_runs_at_its_saturated_niceness(client):
     client.generate(messages=[("user", PROMPTS[1])], max_new_tokens=2, speculate=False)
     prefill = _stats("Prefill")
     assert prefill["engine_nice"] == 19 and prefill["engine_nice_switches"] == 1, prefill
+
+
+def test_replicas_run_their_methods_on_their_own_event_loop(client):
+    """config.replica_one_loop (the default): no replica runs its methods on Serve's separate user-code thread, so a
+    streamed token crosses no extra thread in the verify replica or the ingress."""
+    for deployment in ("SpecDecodeIngress", "Prefill", "Draft", "Verify"):
+        thread = _stats(deployment)["loop_thread"]
+        assert "_run_user_code_event_loop" not in thread, (deployment, thread)
