@@ -111,6 +111,12 @@ class SpeculationDefaults(_Strict):
         True, description="a request that does not speculate decodes as one streamed call to its verify replica (a "
         "token per item, the next step at once) instead of one call per token",
     )
+    stream_by_value: bool = Field(
+        True, description="the stream of stream_off goes over Serve's direct gRPC between the ingress and the verify "
+        "replica (a handle's _by_reference=False: each token by value, not through Ray's object store and its owner's "
+        "bookkeeping); the session is then opened first by a call of its own, by reference, as the KV handoff is an "
+        "object reference and stays one",
+    )
     explore_every: int = Field(
         DEFAULT_EXPLORE_EVERY, ge=1, description="adaptive requests start without a drafter where speculation has not "
         "paid on earlier ones; every this many of them speculate anyway, to keep the estimates fresh (1 = always speculate)",

@@ -307,15 +307,22 @@ class SpecDecodeIngress(OpenAIRoutes):
                     yield step
                 return
             # 2. hand the verifier the KV *reference*; it resolves the bytes from the object store (while the draft starts)
+            spec = self.config.speculation
+            decodes = (spec.stream_off and not plan.drafting and plan.max_new_tokens > 1
+                       and handoff.first_token not in self.target.eos_token_ids)
+
             def open_again():
                 self._stop_decoding(s)  # (a stream that failed to open goes with its failure)
-                return self._opening(s, "verify", sid, lambda: self.verify.open.remote(sid, handoff, params, features))
-            if (self.config.speculation.stream_off and not plan.drafting and plan.max_new_tokens > 1
-                    and handoff.first_token not in self.target.eos_token_ids):
+                decode = (plan.max_new_tokens - 1, sorted(self.target.eos_token_ids)) if decodes else None
+                return self._opening(s, "verify", sid, lambda: self.verify.open.remote(
+                    sid, handoff, params, features, decode=decode))
+            if decodes and not spec.stream_by_value:
                 # without a drafter, the same call opens the session and decodes (Verify.decode): the first step
                 # follows the open on the replica, while the first token goes out
                 opening = anext(self._start_decoding(plan, s, plan.max_new_tokens - 1, opening=(handoff, params)))
             else:
+                # (stream_by_value: the open, by reference, starts the steps on the replica; the stream, by value,
+                # takes their verdicts from the loop's first step on)
                 opening = open_again()  # (no stream yet to stop)
             if started is not None:
                 try:
@@ -480,8 +487,10 @@ class SpecDecodeIngress(OpenAIRoutes):
         """Open the request's decode stream on its verify replica (``opening``: on any replica, opening the session
         there first); the ingress cancels it when the request ends (``_stop_decoding``)."""
         handle = self.verify if opening is not None else s.verify
-        s.decoding = handle.options(stream=True).decode.remote(s.verify_sid, max_tokens,
-                                                               sorted(self.target.eos_token_ids), opening)
+        # (by value only without an opening: its KV handoff is an object reference, which must go by reference)
+        by_value = opening is None and self.config.speculation.stream_by_value
+        s.decoding = handle.options(stream=True, _by_reference=not by_value).decode.remote(
+            s.verify_sid, max_tokens, sorted(self.target.eos_token_ids), opening)
         return s.decoding
 
     @staticmethod

@@ -89,6 +89,14 @@ class Speculation:
 
 
 @dataclass
+class _Steps:
+    """A decode stream's steps (``Verify._start_steps``): their task and the verdicts it queues."""
+
+    verdicts: asyncio.Queue
+    task: asyncio.Task
+
+
+@dataclass
 class DraftFallback:
     """Yielded by ``Verify.speculate`` when a draft failure turned speculation off for the rest of the request."""
 
@@ -358,6 +366,7 @@ class Verify(_Stage):
                                    max_kv_bytes=self.config.limits.max_kv_bytes)
         warm_up(self.engine.runner)
         self._decoding: set[str] = set()  # sessions decoding as a stream (``decode``) until they close
+        self._ahead: dict[str, _Steps] = {}  # steps started by ``open``, before their ``decode`` call takes them
         self.decode_streams = 0  # decode calls in all
         # speculation.colocate_drafter: a drafter of this replica's own, on the target's device and engine thread
         # (the EAGLE head on the target's embeddings); ``speculate`` asks it without a stage hop
@@ -393,7 +402,34 @@ class Verify(_Stage):
         ``opening`` (a prefill's handoff and the sampling parameters): open the session first (``open``) and yield
         its ``SessionOpened`` before the verdicts. The first step then follows the open on this replica, and the
         pass after the open waits for it (``ContinuousBatcher.expect``): the second token takes one pass, not the
-        rest of a running pass and one more after a round trip through the ingress."""
+        rest of a running pass and one more after a round trip through the ingress. Without one, the steps an
+        ``open`` with ``decode`` started are the ones streamed (the same, with the open a call of its own)."""
+        stepping = None
+        try:
+            if opening is not None:
+                self.batcher.expect(request_id)
+                opened = await self.open(request_id, *opening)
+            # (steps the open started, if it was asked to: ``open``'s decode)
+            stepping = self._ahead.pop(request_id, None) or self._start_steps(request_id, max_tokens, stop_ids)
+            if opening is not None:
+                yield opened
+            while (item := await stepping.verdicts.get()) is not None:
+                if isinstance(item, Exception):
+                    raise item
+                yield item
+        finally:
+            if stepping is not None:
+                stepping.task.cancel()
+            self._decoding.discard(request_id)
+            self.batcher.forget(request_id)  # (if it never made its first call, no pass waits for it)
+            if opening is not None:
+                # the session this call opened ends with it, whatever ended it: a caller cancelled during the open
+                # never learns where the session is. On the engine thread, so after an open still running there.
+                self._executor.submit(self.engine.close, request_id)
+
+    def _start_steps(self, request_id: str, max_tokens: int, stop_ids: list[int]) -> _Steps:
+        """A session's decode steps, in a task of their own: each joins the next batched pass as a verify call does,
+        its verdict queued for the stream's reader, until a token in ``stop_ids``, ``max_tokens`` steps or close."""
         stop = set(stop_ids)
         verdicts: asyncio.Queue = asyncio.Queue()  # VerifyResult per step; then None (the end) or the exception
 
@@ -415,29 +451,9 @@ class Verify(_Stage):
                 # bound, until the reader has taken the last verdict and the stream has ended)
                 self.batcher.forget(request_id)
 
-        stepping = None
-        try:
-            if opening is not None:
-                self.batcher.expect(request_id)
-                opened = await self.open(request_id, *opening)
-            self._decoding.add(request_id)
-            self.decode_streams += 1
-            stepping = asyncio.get_running_loop().create_task(steps())
-            if opening is not None:
-                yield opened
-            while (item := await verdicts.get()) is not None:
-                if isinstance(item, Exception):
-                    raise item
-                yield item
-        finally:
-            if stepping is not None:
-                stepping.cancel()
-            self._decoding.discard(request_id)
-            self.batcher.forget(request_id)  # (if it never made its first call, no pass waits for it)
-            if opening is not None:
-                # the session this call opened ends with it, whatever ended it: a caller cancelled during the open
-                # never learns where the session is. On the engine thread, so after an open still running there.
-                self._executor.submit(self.engine.close, request_id)
+        self._decoding.add(request_id)
+        self.decode_streams += 1
+        return _Steps(verdicts, asyncio.get_running_loop().create_task(steps()))
 
     async def speculate(self, request_id: str, opening: tuple[KVHandoff, SamplingParams, bool],
                         spec: Speculation) -> AsyncIterator[SessionOpened | StepOutput | DraftFallback]:
@@ -558,15 +574,31 @@ class Verify(_Stage):
         """What the adaptive policy of ``speculate`` has learned on this replica, per drafter (services.policy.describe)."""
         return {drafter: describe(costs, self.acceptance.get(drafter)) for drafter, costs in self.costs.items()}
 
-    async def open(self, request_id: str, handoff: KVHandoff, params: SamplingParams, features: bool = False) -> SessionOpened:
-        """``features``: each verdict carries the target's features of the accepted positions (feature drafters)."""
+    async def open(self, request_id: str, handoff: KVHandoff, params: SamplingParams, features: bool = False,
+                   decode: tuple[int, list[int]] | None = None) -> SessionOpened:
+        """``features``: each verdict carries the target's features of the accepted positions (feature drafters).
+
+        ``decode`` (max_tokens, stop_ids): the session starts decoding here at once, as ``decode`` would, and its
+        verdicts wait for the caller's ``decode`` call, which streams them (by value: speculation.stream_by_value).
+        The first step follows the open on this replica, and the pass after the open waits for it, as with
+        ``decode``'s opening; the stream's call carries no object reference, so it may go over Serve's gRPC."""
         await self.faults.point("open")
-        (ref,) = handoff.kv_refs
-        payload = await ref  # resolved here, in the verifier: the ingress only ever held the reference
-        handoff_ms = (time.time() - handoff.put_at) * 1000
-        await self._open_session(
-            request_id, lambda: self.engine.open(request_id, payload, handoff.first_token, params, features=features),
-            "opened")
+        if decode is not None:
+            self.batcher.expect(request_id)
+        try:
+            (ref,) = handoff.kv_refs
+            payload = await ref  # resolved here, in the verifier: the ingress only ever held the reference
+            handoff_ms = (time.time() - handoff.put_at) * 1000
+            await self._open_session(
+                request_id, lambda: self.engine.open(request_id, payload, handoff.first_token, params, features=features),
+                "opened")
+        except BaseException:
+            self.batcher.forget(request_id)  # (no step follows: the next pass must not wait for one)
+            raise
+        if decode is not None:
+            # (until the caller's decode call takes them, or close; a caller lost in between leaves at most
+            # max_tokens verdicts here, and the session itself to limits.session_idle_s)
+            self._ahead[request_id] = self._start_steps(request_id, *decode)
         self.opened += 1
         return SessionOpened(*_identity(), handoff_ms=handoff_ms, resolved_bytes=payload.nbytes)
 
@@ -592,5 +624,7 @@ class Verify(_Stage):
     async def close(self, request_id: str) -> None:
         self.batcher.forget(request_id)
         self._decoding.discard(request_id)
+        if (ahead := self._ahead.pop(request_id, None)) is not None:  # steps no decode call came for
+            ahead.task.cancel()
         await self._run(self.engine.close, request_id)
 

@@ -75,6 +75,12 @@ def test_replica_one_loop(one_loop):
     assert AppConfig().replica_one_loop is True
 
 
+def test_decode_streams_go_by_value_by_default():
+    """A request without speculation streams its tokens by value (Serve's direct gRPC), unless the config says not."""
+    assert AppConfig().speculation.stream_by_value is True
+    assert AppConfig.model_validate({"speculation": {"stream_by_value": False}}).speculation.stream_by_value is False
+
+
 def test_engine_nice_defaults_and_bounds():
     """Engine threads stay as Ray starts workers unless a stage sets its niceness (None: no call)."""
     config = AppConfig()

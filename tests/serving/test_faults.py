@@ -94,9 +94,10 @@ def test_verify_replica_lost_mid_decode_stream(client, expected):
 
 
 def test_verify_replica_exits_opening_a_decode_stream(client, expected):
-    """Speculation off: one streamed call opens the session and decodes (Verify.decode with the handoff). The
-    replica's process dies in the open; the ingress opens the session on the replacement from the same KV
-    reference and streams the tokens from there."""
+    """Speculation off: the session opens (Verify.open, by reference: the handoff), then its stream decodes, by
+    value (speculation.stream_by_value). The replica's process dies in the open; the ingress opens the session on
+    the replacement from the same KV reference and streams the tokens from there. (Without stream_by_value one
+    streamed call opens and decodes: test_greedy.py serves that way.)"""
     before = _recoveries().get("verify", 0)
     arm("Verify", "open", "exit")
     chunks = list(client.stream(messages=[("user", LONG[3])], speculate=False))

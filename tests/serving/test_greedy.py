@@ -21,8 +21,10 @@ def policy_id(p: dict) -> str:
 @pytest.fixture(scope="module")
 def client():
     # the disaggregated graph: proposals come from the draft stage through the ingress (the default, a drafter in
-    # the verify replica, is tested in test_colocated.py and by every module that serves the default config)
-    with serving(make_config(speculation={"colocate_drafter": False})) as client:
+    # the verify replica, is tested in test_colocated.py and by every module that serves the default config); a
+    # request without speculation opens its session and decodes in one streamed call, by reference (the default,
+    # stream_by_value, opens first and streams by value: every other module)
+    with serving(make_config(speculation={"colocate_drafter": False, "stream_by_value": False})) as client:
         yield client
 
 
