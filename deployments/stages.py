@@ -407,9 +407,8 @@ class Verify(_Stage):
         stepping = None
         try:
             if opening is not None:
-                self.batcher.expect(request_id)
-                opened = await self.open(request_id, *opening)
-            # (steps the open started, if it was asked to: ``open``'s decode)
+                opened = await self.open(request_id, *opening, decode=(max_tokens, stop_ids))
+            # (the steps an open started: this call's, or an earlier ``open`` call's with ``decode``)
             stepping = self._ahead.pop(request_id, None) or self._start_steps(request_id, max_tokens, stop_ids)
             if opening is not None:
                 yield opened
