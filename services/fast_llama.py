@@ -267,14 +267,14 @@ class FastLlamaRunner:
         self,
         chunks: list[tuple[torch.Tensor, DenseKVCache]],  # per sequence: its new tokens [n_i] and its own KV
         *,
-        last_only: bool = False,
+        last_only: bool | list[bool] = False,
         trees: list | None = None,  # per chunk: a services.tree.DraftTree over its rows, or None (a sequence)
         greedy: list[bool] | None = None,  # per chunk: its argmax ids [n_i or 1] instead of its logits
     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:  # per sequence: logits [n_i or 1, vocab_size], features [n_i, hidden]
         """One pass over several sequences' chunks (ragged rows): every weight is read once for all of them.
 
         Each sequence attends only to its own KV; a row's logits are what ``forward`` gives for its chunk alone.
-        ``last_only``: logits of each chunk's last row only (prefill). A chunk with a tree: each row attends to the
+        ``last_only``: logits of each chunk's last row only (prefill); a list: per chunk. A chunk with a tree: each row attends to the
         cached KV and its own ancestors, at the position of its depth (its K/V are appended in row order; keep the
         accepted path with ``DenseKVCache.keep``). ``greedy``: those chunks get the argmax of each row's logits
         through ``argmax`` (cheaper than the logits: ``kernels.greedy_head``): the ids of ``logits.argmax(-1)`` for
@@ -284,8 +284,9 @@ class FastLlamaRunner:
         sizes = [ids.shape[0] for ids, _ in chunks]
         features = self._rms_norm(self._layers(chunks, trees), self.norm)  # [N, hidden], N = sum(sizes)
         per_chunk = list(features.split(sizes))
-        head_rows = torch.cat([f[-1:] for f in per_chunk]) if last_only else features  # [chunks or N, hidden]
-        head_sizes = [1] * len(chunks) if last_only else sizes
+        last = last_only if isinstance(last_only, list) else [last_only] * len(chunks)
+        head_sizes = [1 if flag else size for flag, size in zip(last, sizes, strict=True)]
+        head_rows = torch.cat([f[-1:] if flag else f for f, flag in zip(per_chunk, last)]) if any(last) else features  # [sum(head_sizes), hidden]
         if not greedy or not any(greedy):
             return list(self._head(head_rows).split(head_sizes)), per_chunk
         if len(greedy) != len(chunks):

@@ -326,8 +326,11 @@ def speculative_decode(
     stats: SpeculationStats | None = None,
     tree_width: int = 1,
     chained: bool = False,
+    local_tokens: int = 0,
 ) -> Iterator[StepOutput]:
     """Yield each step's new tokens until EOS or ``max_new_tokens``. ``draft=None`` turns speculation off.
+    ``local_tokens``: a prompt whose prefix-cache hit leaves at most this many positions has them computed by the
+    verify session's first step (``PrefillCall.local_tokens``; the answer is the same).
 
     ``policy`` picks k for every step (0 included; services.policy) from the costs it measures here; without one,
     k is ``num_draft_tokens`` throughout. With ``overlap`` the drafter pre-drafts in a second thread while the
@@ -345,14 +348,19 @@ def speculative_decode(
     validate_max_new_tokens(max_new_tokens, prompt_len=len(prompt_ids), max_context=target.max_context)
     features = draft is not None and drafter in FEATURE_DRAFTERS  # the drafter reads the target's features
     # 1. prefill the target (and start the draft session over the same prompt)
-    result = prefill.prefill(prompt_ids, params, features=features)
+    result = prefill.prefill(prompt_ids, params, features=features, local_tokens=local_tokens)
     if draft is not None:
         draft.start(request_id, prompt_ids, params, drafter, result.features)
     pool = ThreadPoolExecutor(1, thread_name_prefix="splitspec-draft") if overlap and draft is not None else None
     try:
-        # 2. hand the prefill KV to the verifier
-        verify.open(request_id, result.payload, result.first_token, params, features=features)
-        loop = SpeculativeLoop(result.first_token, max_new_tokens=max_new_tokens, eos=target.eos_token_ids,
+        # 2. hand the prefill KV to the verifier (and the prompt's last positions, where prefill left them to it:
+        #    the session's first step computes them and draws the first token)
+        verify.open(request_id, result.payload, result.first_token, params, features=features,
+                    prompt_rest=result.prompt_rest)
+        first_token = result.first_token
+        if first_token is None:
+            (first_token,) = verify.verify(request_id, []).token_ids
+        loop = SpeculativeLoop(first_token, max_new_tokens=max_new_tokens, eos=target.eos_token_ids,
                                num_draft_tokens=num_draft_tokens, drafting=draft is not None, policy=policy,
                                overlap=overlap, guesses=guesses or PRE_DRAFT_GUESSES[drafter], stats=stats,
                                tree_width=tree_width if params.greedy and not overlap else 1, chained=chained)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -30,6 +30,7 @@ class PrefillCall:
     request_id: str = ""  # one call per request in a pass; names a chunked prefill's partial KV between chunks
     start: int = 0  # prompt positions already prefilled by earlier chunks
     chunk: int = 0  # at most this many positions in this call (0 = the rest of the prompt)
+    local_tokens: int = 0  # a prefix-cache hit that leaves at most this many positions: hand them to the verifier
 
     @property
     def rows(self) -> int:
@@ -46,9 +47,21 @@ class PrefillProgress:
 
 @dataclass
 class PrefillResult:
-    first_token: int  # sampled from the target's distribution after the prompt
+    first_token: int | None  # sampled from the target's distribution after the prompt; None: see prompt_rest
     payload: KVPayload  # KV of the prompt positions, to hand to a verifier
     features: torch.Tensor | None = None  # [n, hidden] bf16 target features of the prompt (feature drafters, EAGLE)
+    # the prompt's last positions, not computed here (``PrefillCall.local_tokens``): the payload holds the KV before
+    # them, and the verifier computes them in its session's first step, which draws the first token
+    prompt_rest: list[int] = field(default_factory=list)
+
+
+def draw_first_token(logits: torch.Tensor, params: SamplingParams) -> int:  # [1, vocab_size] ([1] argmax id if greedy)
+    """The token after the prompt, from the logits of its last position: the argmax, or a sample drawn from the
+    request's own random stream for it (``PREFILL_STREAM``)."""
+    if params.greedy:
+        return int(logits[0])  # (the argmax id)
+    probs = logits_to_probs(logits, params)  # [1, vocab_size]
+    return int(sample(probs, make_generator(params.seed, PREFILL_STREAM))[0])
 
 
 class PrefillEngine:
@@ -60,10 +73,13 @@ class PrefillEngine:
         self._partial: dict[str, tuple[object, list[torch.Tensor]]] = {}  # request id -> (KV, features) between chunks
         # recent prompts' KV, reused by prompts that start like them (services.prefix_cache); 0 bytes: off
         self.prefix_cache = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes > 0 else None
+        self.handed_rest = 0  # prompts whose last positions went to the verifier (``PrefillCall.local_tokens``)
 
-    def prefill(self, prompt_ids: Sequence[int], params: SamplingParams, *, features: bool = False) -> PrefillResult:
-        """Prefill the prompt; ``features`` also returns the target's features of every prompt position."""
-        (result,) = self.prefill_batch([PrefillCall(list(prompt_ids), params, features)])
+    def prefill(self, prompt_ids: Sequence[int], params: SamplingParams, *, features: bool = False,
+                local_tokens: int = 0) -> PrefillResult:
+        """Prefill the prompt; ``features`` also returns the target's features of every prompt position;
+        ``local_tokens``: see ``PrefillCall``."""
+        (result,) = self.prefill_batch([PrefillCall(list(prompt_ids), params, features, local_tokens=local_tokens)])
         if isinstance(result, Exception):
             raise result
         return result
@@ -74,7 +90,11 @@ class PrefillEngine:
         A prompt with bad input gets its error in its slot; the others go on. Each first token is drawn with its
         own parameters and seed. A chunk that does not end its prompt keeps the prompt's KV here (under its
         ``request_id``) and returns ``PrefillProgress``; the call with the last chunk returns the result. A prompt
-        that starts like a recent one takes that prefix's KV from the prefix cache and computes only the rest.
+        that starts like a recent one takes that prefix's KV from the prefix cache and computes only the rest —
+        or, if the rest is at most ``local_tokens`` positions (and no features are asked for), computes nothing:
+        its result hands the cached prefix's KV and the rest (``prompt_rest``) to the verifier, whose batched pass
+        takes those few rows at little cost where a pass here reads every weight for them (conditional
+        disaggregation).
         """
         results: list[PrefillResult | PrefillProgress | Exception | None] = [None] * len(calls)
         checked = []  # (slot, call, ids [rows], cache, features so far)
@@ -84,6 +104,11 @@ class PrefillEngine:
                     call.params.validate()
                     validate_prompt(call.prompt_ids, max_context=self.target.max_context, vocab_size=self.target.vocab_size)
                     cache, feats, cached = self._begin(call)
+                    if cached and not call.features and len(call.prompt_ids) - cached <= call.local_tokens:
+                        results[slot] = PrefillResult(None, cache.export(self.target.fingerprint),
+                                                      prompt_rest=list(call.prompt_ids[cached:]))
+                        self.handed_rest += 1
+                        continue
                     call = dataclasses.replace(call, start=cached)  # a prefix-cache hit: go on after it
                 else:
                     cache, feats = self._partial.pop(call.request_id)
@@ -107,13 +132,8 @@ class PrefillEngine:
                 self._partial[call.request_id] = (cache, feats)
                 results[slot] = PrefillProgress(done)
                 continue
-            if call.params.greedy:
-                first_token = int(logits[0])  # (the argmax id)
-            else:
-                probs = logits_to_probs(logits, call.params)  # [1, vocab_size]
-                first_token = int(sample(probs, make_generator(call.params.seed, PREFILL_STREAM))[0])
             result = PrefillResult(
-                first_token=first_token,
+                first_token=draw_first_token(logits, call.params),
                 payload=cache.export(self.target.fingerprint),
                 features=torch.cat(feats) if call.features else None,  # [n, hidden]
             )

@@ -8,10 +8,13 @@ the host, where the prefill's KV payload already lies.
 
 A prompt's KV is kept once, as the ``KVPayload`` prefill made for the
 handoff; each of its prefixes at a multiple of ``block`` tokens points to it
-through a chain of block hashes; a hit is checked against the stored ids. A
-lookup returns the longest cached prefix shorter than the prompt (the last
-position is always computed: its logits give the first token). The least
-recently used prompts go when the bytes pass ``max_bytes``.
+through a chain of block hashes; a hit is checked against the stored ids and
+then extended token by token as far as the stored prompt goes on like the
+new one (as SGLang's radix cache matches tokens, not blocks): the same prompt
+again leaves one position to compute, not up to a block. A lookup returns
+the longest such prefix shorter than the prompt (the last position is always
+computed: its logits give the first token). The least recently used prompts
+go when the bytes pass ``max_bytes``.
 
 Exactness: the reused KV was computed in another pass than a fresh prefill
 would use, so it differs from a recomputation by float rounding only — as the
@@ -68,7 +71,8 @@ class PrefixCache:
         return chain
 
     def lookup(self, ids: Sequence[int], *, features: bool = False) -> PrefixHit | None:
-        """The longest cached prefix of ``ids`` shorter than ``ids`` (with features, if asked for), or None."""
+        """The longest cached prefix of ``ids`` shorter than ``ids`` (with features, if asked for), or None: a block
+        chain to a stored prompt, then as many of that prompt's further tokens as ``ids`` shares."""
         self.queried_tokens += len(ids)
         best = None
         for length, h in self._chain(ids, len(ids) - 1):
@@ -82,6 +86,9 @@ class PrefixCache:
         entry, length = best
         if entry.ids[:length] != tuple(ids[:length]):  # a hash collision: never reuse another prompt's KV
             return None
+        limit = min(len(entry.ids), len(ids) - 1)
+        while length < limit and entry.ids[length] == ids[length]:  # the rest of the stored prompt, where it matches
+            length += 1
         self._entries.move_to_end(id(entry))
         self.hit_tokens += length
         payload = entry.payload

@@ -75,11 +75,12 @@ class ModelRunner:
         self,
         chunks: list[tuple[torch.Tensor, KVCache]],  # per sequence: its new tokens [n_i] and its own KV
         *,
-        last_only: bool = False,
+        last_only: bool | list[bool] = False,  # a list: per chunk
         greedy: list[bool] | None = None,  # per chunk: its argmax ids [n_i or 1] instead of its logits
     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:  # per sequence: logits [n_i or 1, vocab_size], features [n_i, hidden]
         """Each chunk in turn (transformers' cache holds one sequence: no shared pass here, same results)."""
-        outs = [self.forward(ids, cache, last_only=last_only, return_features=True) for ids, cache in chunks]
+        last = last_only if isinstance(last_only, list) else [last_only] * len(chunks)
+        outs = [self.forward(ids, cache, last_only=flag, return_features=True) for (ids, cache), flag in zip(chunks, last, strict=True)]
         greedy = greedy or [False] * len(chunks)
         return [logits.argmax(-1) if flag else logits for (logits, _), flag in zip(outs, greedy)], [f for _, f in outs]
 

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import torch
 
 from services.errors import InvalidRequestError
 from services.kv import KVPayload
 from services.loading import LoadedModel
-from services.prefill import FEATURE_DTYPE
+from services.prefill import FEATURE_DTYPE, draw_first_token
 from services.runner import make_runner
 from services.sampling import SamplingParams, greedy_verify, logits_to_probs, make_generator, speculative_sample
 from services.sessions import DEFAULT_MAX_KV_BYTES, DEFAULT_MAX_SESSIONS, SessionStore
@@ -21,11 +22,15 @@ VERIFY_STREAM = 2  # random stream of accept/reject draws (see sampling.make_gen
 
 @dataclass
 class VerifySession:
-    cache: object  # KVCache or DenseKVCache: KV of every accepted token except `pending`
-    pending: int  # last emitted token, not yet in the target's KV
+    cache: object  # KVCache or DenseKVCache: KV of every accepted token except `pending` (and `prompt_rest`)
+    pending: int  # last emitted token, not yet in the target's KV; before the first step: the prompt's last token
     params: SamplingParams
     generator: torch.Generator
     features: bool = False  # return the target's features of the accepted positions (feature drafters, EAGLE)
+    # opened from a prefix-cache hit with the prompt's last positions left to compute (``VerifyEngine.open``): those
+    # before ``pending``; the first step computes them and draws the first token, as prefill would have
+    prompt_rest: list[int] = field(default_factory=list)
+    prefilling: bool = False  # the first step is still to come (it takes no drafts)
 
     @property
     def nbytes(self) -> int:
@@ -34,7 +39,7 @@ class VerifySession:
     @property
     def seq_len(self) -> int:
         """Accepted tokens so far, prompt included."""
-        return self.cache.seq_len + 1
+        return self.cache.seq_len + len(self.prompt_rest) + 1
 
 
 @dataclass(frozen=True)
@@ -46,11 +51,12 @@ class VerifyCall:
     draft_probs: torch.Tensor | None = None  # [k, vocab_size]; None = one-hot (greedy or deterministic drafter)
     params: SamplingParams | None = None  # default: the session's; must be what the drafter used
     tree_parents: tuple[int, ...] | None = None  # the drafts as a tree (services.tree; greedy only); None = a chain
+    prompt_rows: int = 0  # the session's first step after a local prefill: the prompt positions before pending
 
     @property
     def rows(self) -> int:
-        """Rows this call adds to a target pass: its pending token and its drafts."""
-        return len(self.draft_token_ids) + 1
+        """Rows this call adds to a target pass: its pending token and its drafts (and what is left of its prompt)."""
+        return self.prompt_rows + len(self.draft_token_ids) + 1
 
 
 @dataclass(frozen=True)
@@ -72,15 +78,26 @@ class VerifyEngine:
             kind="verify", max_sessions=max_sessions, max_kv_bytes=max_kv_bytes
         )
 
-    def open(self, request_id: str, payload: KVPayload, first_token: int, params: SamplingParams, *, features: bool = False) -> None:
+    def open(self, request_id: str, payload: KVPayload, first_token: int | None, params: SamplingParams, *,
+             features: bool = False, prompt_rest: Sequence[int] = ()) -> None:
         """Start a session from a prefill's KV payload (refused if another model computed it).
 
-        ``features``: each verdict also carries the target's features of the positions it accepts.
+        ``features``: each verdict also carries the target's features of the positions it accepts. ``prompt_rest``
+        (with ``first_token`` None): the prompt's last positions, which the payload does not hold (a prefill that
+        handed them over: ``PrefillCall.local_tokens``); the session's first step computes them in its pass and
+        draws the first token from their last row exactly as prefill does (its random stream included), so the
+        answer is the one a prefill of the whole prompt gives.
         """
         params.validate()
+        if (first_token is None) == (not prompt_rest):
+            raise InvalidRequestError("a verify session opens with the first token or with the prompt's rest, one of them")
+        if prompt_rest and features:
+            raise InvalidRequestError("a session with features opens from a full prefill (its prompt features)")
         cache = self.runner.import_payload(payload)
         generator = make_generator(params.seed, VERIFY_STREAM)
-        self.sessions.put(request_id, VerifySession(cache, int(first_token), params, generator, features))
+        rest = [int(t) for t in prompt_rest]
+        pending = int(first_token) if first_token is not None else rest.pop()
+        self.sessions.put(request_id, VerifySession(cache, pending, params, generator, features, rest, bool(prompt_rest)))
 
     def verify(
         self,
@@ -114,15 +131,22 @@ class VerifyEngine:
                 results[slot] = exc
         if not checked:
             return results
-        # 1. one target pass over every session's [pending, d_1 .. d_k] gives its p_1 .. p_{k+1}
-        chunks = [(torch.cat([torch.tensor([session.pending]), draft]), session.cache) for _, _, session, draft, _ in checked]
+        # 1. one target pass over every session's [pending, d_1 .. d_k] gives its p_1 .. p_{k+1} (a prefilling
+        #    session's rows: the rest of its prompt, pending last; only the last row's logits are computed)
+        chunks = [(torch.cat([torch.tensor([*session.prompt_rest, session.pending]), draft]), session.cache)
+                  for _, _, session, draft, _ in checked]
         starts = [session.cache.seq_len for _, _, session, _, _ in checked]
         trees = [tree for *_, tree in checked]
         greedy = [session.params.greedy for _, _, session, _, _ in checked]
+        prefilling = [session.prefilling for _, _, session, _, _ in checked]
         all_logits, all_features = self.runner.forward_batch(  # per session: [k + 1, V] ([k + 1] ids if greedy), [k + 1, hidden]
-            chunks, greedy=greedy, **({"trees": trees} if any(trees) else {}))
+            chunks, greedy=greedy, **({"trees": trees} if any(trees) else {}),
+            **({"last_only": prefilling} if any(prefilling) else {}))
         for (slot, call, session, draft, tree), start, logits, features in zip(checked, starts, all_logits, all_features):
             # (a greedy session's ``logits`` are the argmax ids of its rows [k + 1]: all that greedy verification reads)
+            if session.prefilling:
+                results[slot] = self._first_token(session, logits)
+                continue
             # 2. exact accept / reject (services.sampling); a tree: the target's greedy path through it
             if tree is not None:
                 path, bonus = tree.greedy_walk(draft, logits)
@@ -150,9 +174,20 @@ class VerifyEngine:
             self.sessions.enforce_limits(keep=call.request_id)
         return results
 
+    @staticmethod
+    def _first_token(session: VerifySession, logits: torch.Tensor) -> VerifyResult:  # [1, V] ([1] id if greedy)
+        """A prefilling session's first step: the prompt is in the KV now; the first token is drawn from the last
+        row as prefill draws it (services.prefill: the argmax, or a sample from its own random stream)."""
+        token = draw_first_token(logits, session.params)
+        session.pending, session.prompt_rest, session.prefilling = token, [], False
+        return VerifyResult([token], 0, [])
+
     def _check(self, call: VerifyCall) -> tuple[VerifySession, torch.Tensor, DraftTree | None]:  # draft ids [k]
         session = self.sessions.get(call.request_id)
         k = len(call.draft_token_ids)
+        if session.prefilling and k:
+            raise InvalidRequestError(f"session {call.request_id!r} has not computed its prompt yet: its first verify "
+                                      "call takes no drafts (it draws the first token)")
         if k > MAX_DRAFT_TOKENS:
             raise InvalidRequestError(f"got {k} draft tokens, at most {MAX_DRAFT_TOKENS} are allowed")
         context = self.target.max_context - session.seq_len

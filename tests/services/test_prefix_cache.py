@@ -38,15 +38,17 @@ def test_a_prompt_that_starts_like_a_cached_one_computes_only_the_rest(tiny):
     assert cache.queried_tokens == sum(2 * len(SYSTEM + user) for user in USERS)
 
 
-def test_the_same_prompt_again_still_computes_its_last_position(tiny):
-    """The last position's logits give the first token: a hit is always shorter than the prompt."""
+def test_the_same_prompt_again_computes_only_its_last_position(tiny):
+    """The last position's logits give the first token: a hit is always shorter than the prompt, and for the same
+    prompt again it is all but that position, block-aligned or not."""
     target, _ = tiny
     engine = PrefillEngine(target, prefix_cache_bytes=2**20)
-    prompt = SYSTEM[:8]  # a multiple of the block
-    first = engine.prefill(prompt, SamplingParams(temperature=1.0, seed=3))
-    again = engine.prefill(prompt, SamplingParams(temperature=1.0, seed=3))
-    assert engine.prefix_cache.hit_tokens == len(prompt) - PREFIX_BLOCK
-    _assert_same(again, first)
+    for prompt in (SYSTEM[:8], SYSTEM[:10]):  # a multiple of the block, and not
+        first = engine.prefill(prompt, SamplingParams(temperature=1.0, seed=3))
+        hits = engine.prefix_cache.hit_tokens
+        again = engine.prefill(prompt, SamplingParams(temperature=1.0, seed=3))
+        assert engine.prefix_cache.hit_tokens - hits == len(prompt) - 1
+        _assert_same(again, first)
 
 
 def test_greedy_decoding_is_unchanged_by_the_prefix_cache(tiny):
@@ -102,7 +104,7 @@ def test_the_least_recently_used_prompts_go_first(tiny):
     assert cache.lookup([2] * 12) is not None and cache.lookup([4] * 12) is not None
 
 
-def test_a_prompt_that_differs_inside_a_block_reuses_only_the_whole_blocks_before_it(tiny):
+def test_a_prompt_that_differs_inside_a_block_reuses_every_token_before_it(tiny):
     target, _ = tiny
     engine = PrefillEngine(target)
     cache = PrefixCache(max_bytes=2**20)
@@ -110,5 +112,8 @@ def test_a_prompt_that_differs_inside_a_block_reuses_only_the_whole_blocks_befor
     cache.insert(prompt, engine.prefill(prompt, SamplingParams()).payload)
     other = prompt[:10] + [90] + prompt[11:]
     hit = cache.lookup(other)
-    assert hit.length == 10 // PREFIX_BLOCK * PREFIX_BLOCK
+    assert hit.length == 10  # the whole blocks, then the tokens of the next one that match
     assert hit.payload.seq_len == hit.length and all(k.shape[1] == hit.length for k in hit.payload.keys)
+    assert cache.lookup(prompt[:6] + [90]).length == 6  # a shorter prompt: at most all but its last position
+    assert cache.lookup(prompt + [90, 91]).length == len(prompt)  # a longer one: the stored prompt, all of it
+    assert cache.lookup(prompt[:3] + [90]) is None  # no whole block in common
