@@ -156,6 +156,12 @@ class Limits(_Strict):
         64 * 2**20, ge=0, description="host memory per prefill replica for recent prompts' KV, reused by prompts that "
         "start with the same tokens (a chat template's system turn, an agent's shared context); 0 turns it off",
     )
+    local_prefill_tokens: int = Field(
+        2, ge=0, description="a prompt whose prefix-cache hit leaves at most this many positions (the same prompt again: "
+        "one) has them computed by its verify replica, as rows of a batched verify pass, instead of a prefill pass that "
+        "reads every weight for them (conditional disaggregation, as Dynamo prefills short prompts on the decode "
+        "worker); the answer is the same. 0 = every prompt on the prefill stage",
+    )
     stage_timeout_s: float = Field(120.0, gt=0, description="one stage call; slower means UNAVAILABLE")
     request_timeout_s: float = Field(600.0, gt=0, description="a whole request; longer means DEADLINE_EXCEEDED")
     session_idle_s: float = Field(

@@ -287,8 +287,13 @@ class SpecDecodeIngress(OpenAIRoutes):
                 self._fall_back(plan, StageUnavailableError(self.unplaceable["draft"]), "start")
             elif plan.drafting and not colocated and not features:
                 started = self._opening(s, "draft", sid, lambda: self.draft.start.remote(sid, plan.prompt_ids, params, plan.drafter))
-            handoff = await self._retrying(plan, "prefill", lambda: self.prefill.prefill.remote(plan.prompt_ids, params, features))
+            # (a prompt the prefill's prefix cache holds all but a few positions of leaves them to the verify replica,
+            # whose batched pass computes them for little, where a prefill pass reads every weight: limits.local_prefill_tokens)
+            local = 0 if features else self.config.limits.local_prefill_tokens
+            handoff = await self._retrying(plan, "prefill", lambda: self.prefill.prefill.remote(
+                plan.prompt_ids, params, features, local))
             timer.prefill_ms = timer.ms()
+            self.metrics.prefilled("verify" if handoff.prompt_rest else "prefill")
             if features and not colocated and not plan.fallback:
                 started = self._opening(s, "draft", sid, lambda: self.draft.start.remote(
                     sid, plan.prompt_ids, params, plan.drafter, handoff))
@@ -308,18 +313,20 @@ class SpecDecodeIngress(OpenAIRoutes):
                 return
             # 2. hand the verifier the KV *reference*; it resolves the bytes from the object store (while the draft starts)
             spec = self.config.speculation
-            decodes = (spec.stream_off and not plan.drafting and plan.max_new_tokens > 1
-                       and handoff.first_token not in self.target.eos_token_ids)
+            first_token = handoff.first_token  # None: the verify session's first step draws it (handoff.prompt_rest)
+            decodes = (spec.stream_off and not plan.drafting
+                       and (first_token is None or plan.max_new_tokens > 1 and first_token not in self.target.eos_token_ids))
+            decode_tokens = plan.max_new_tokens - (first_token is not None)  # the verify replica's steps
 
             def open_again():
                 self._stop_decoding(s)  # (a stream that failed to open goes with its failure)
-                decode = (plan.max_new_tokens - 1, sorted(self.target.eos_token_ids)) if decodes else None
+                decode = (decode_tokens, sorted(self.target.eos_token_ids)) if decodes else None
                 return self._opening(s, "verify", sid, lambda: self.verify.open.remote(
                     sid, handoff, params, features, decode=decode))
             if decodes and not spec.stream_by_value:
                 # without a drafter, the same call opens the session and decodes (Verify.decode): the first step
                 # follows the open on the replica, while the first token goes out
-                opening = anext(self._start_decoding(plan, s, plan.max_new_tokens - 1, opening=(handoff, params)))
+                opening = anext(self._start_decoding(plan, s, decode_tokens, opening=(handoff, params)))
             else:
                 # (stream_by_value: the open, by reference, starts the steps on the replica; the stream, by value,
                 # takes their verdicts from the loop's first step on)
@@ -337,11 +344,12 @@ class SpecDecodeIngress(OpenAIRoutes):
                 if not isinstance(unwrap(exc), ray_exceptions.ObjectLostError):
                     raise
                 self._lost(plan, "prefill", exc, s)
-                opened = await self._open_verify(plan, s, plan.prompt_ids, handoff.first_token, params)
+                opened, first_token = await self._open_verify(plan, s, plan.prompt_ids, first_token, params)
             s.verify = self.verify.options(session_id=pin(opened.replica_id))
             self._handed_off(handoff, opened, timer)
-            first_token = handoff.first_token
             del handoff  # the last reference here: the object store frees the KV once the verifier holds it
+            if first_token is None:
+                first_token = await self._first_step(plan, s, decodes)
             timer.ttft_ms = timer.ms()
             policy = self._policy(plan) if plan.adaptive and plan.drafting else None
             loop = SpeculativeLoop(first_token, max_new_tokens=plan.max_new_tokens, eos=self.target.eos_token_ids,
@@ -393,8 +401,6 @@ class SpecDecodeIngress(OpenAIRoutes):
                     handoff = None  # the last reference here: the object store frees the KV once the verifier holds it
                     if s.tokens:  # a recovered stream: its first token was emitted before the loss
                         await self._call("verify", anext(s.decoding))
-                    else:
-                        timer.ttft_ms = timer.ms()
                 item = await self._call("verify", anext(s.decoding))
             except StopAsyncIteration:
                 return
@@ -418,6 +424,8 @@ class SpecDecodeIngress(OpenAIRoutes):
                 continue
             if s.tokens:  # (prefill's token is no verify step)
                 plan.stats.add(item)
+            else:
+                timer.ttft_ms = timer.ms()
             s.tokens += item.token_ids
             yield item
 
@@ -540,18 +548,45 @@ class SpecDecodeIngress(OpenAIRoutes):
         self._detached(s.verify.close.remote, s.verify_sid)  # (a replica that is alive after all frees its KV)
         s.verify_sid = f"{plan.session_id}#{s.recoveries}"
         params = reseeded(plan.params, len(s.tokens))
-        opened = await self._open_verify(plan, s, plan.prompt_ids + s.tokens[:-1], s.tokens[-1], params)
+        opened, _ = await self._open_verify(plan, s, plan.prompt_ids + s.tokens[:-1], s.tokens[-1], params)
         s.verify = self.verify.options(session_id=pin(opened.replica_id))
 
-    async def _open_verify(self, plan: api.Plan, s: _Sessions, ids: list[int], pending: int, params):
-        """Open verify session ``s.verify_sid`` on a live replica from a prefill of ``ids``, pending ``pending``; a KV
-        lost with its prefill replica (between prefill and open) is prefilled again."""
+    async def _first_step(self, plan: api.Plan, s: _Sessions, decodes: bool) -> int:
+        """The first token of a session opened with the prompt's last positions (``KVHandoff.prompt_rest``): its first
+        step computes them and draws it (the decode stream's first verdict, or a verify call without drafts). If the
+        verify replica is lost meanwhile, the prompt is prefilled in full and the session opened again on live
+        replicas, with the prefill's token."""
+        try:
+            if decodes:
+                verdict = await self._decoded(plan, s)
+            else:
+                verdict = await self._call("verify", s.verify.verify.remote(s.verify_sid, [], None, None))
+            return verdict.token_ids[0]
+        except Exception as exc:  # noqa: BLE001 - a lost replica is recovered from; anything else is raised
+            self._stop_decoding(s)
+            if not _replica_lost(exc):
+                raise
+            self._lost(plan, "verify", exc, s)
+            self._detached(s.verify.close.remote, s.verify_sid)
+            s.verify_sid = f"{plan.session_id}#{s.recoveries}"
+            opened, first_token = await self._open_verify(plan, s, plan.prompt_ids, None, plan.params)
+            s.verify = self.verify.options(session_id=pin(opened.replica_id))
+            return first_token
+
+    async def _open_verify(self, plan: api.Plan, s: _Sessions, ids: list[int], pending: int | None,
+                           params) -> tuple[SessionOpened, int]:
+        """Open verify session ``s.verify_sid`` on a live replica from a prefill of ``ids`` (all of it: no positions
+        left to the verifier), pending ``pending`` (None: the prefill's own first token, for a request that has not
+        drawn it yet); returns the session and its pending token. A KV lost with its prefill replica (between
+        prefill and open) is prefilled again."""
         while True:
             handoff = await self._retrying(plan, "prefill", lambda: self.prefill.prefill.remote(ids, params, False))
-            handoff = dataclasses.replace(handoff, first_token=pending)  # (prefill's own next token is not used)
+            if pending is not None:
+                handoff = dataclasses.replace(handoff, first_token=pending)  # (prefill's own next token is not used)
             try:
-                return await self._retrying(plan, "verify", lambda: self._opening(
+                opened = await self._retrying(plan, "verify", lambda: self._opening(
                     s, "verify", s.verify_sid, lambda: self.verify.open.remote(s.verify_sid, handoff, params, s.features)))
+                return opened, handoff.first_token
             except Exception as exc:  # noqa: BLE001
                 if not isinstance(unwrap(exc), ray_exceptions.ObjectLostError):
                     raise

@@ -45,6 +45,8 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "splitspec_accepted_tokens_by_position": ("counter", "Accepted draft tokens by position in the draft (0 = first).", ("position",)),
     "splitspec_pre_drafts": ("counter", "Verify steps that overlapped a pre-draft (overlap on).", ()),
     "splitspec_pre_draft_hits": ("counter", "Pre-drafts whose guess was right: the next block was ready with the verdict.", ()),
+    "splitspec_prefills": ("counter", "Prompts prefilled, by stage: prefill, or verify where the prefix cache held all but "
+                           "a few positions (limits.local_prefill_tokens) and the verify replica computed them.", ("stage",)),
     "splitspec_kv_handoff_bytes": ("counter", "Bytes of prefill KV handed to verifiers through the object store.", ()),
     "splitspec_drafter_fallbacks": ("counter", "Requests whose speculation was turned off because the draft stage failed.", ("reason",)),
     "splitspec_recoveries": ("counter", "Stage replicas a request lost (killed, OOM, node gone) and recovered from, by stage: "
@@ -133,6 +135,9 @@ class RequestMetrics:
 
     def stage_call(self, stage: str, seconds: float) -> None:
         self.m.observe("splitspec_stage_latency_seconds", seconds, stage=stage)
+
+    def prefilled(self, stage: str) -> None:
+        self.m.inc("splitspec_prefills", stage=stage)
 
     def kv_handoff(self, nbytes: int, seconds: float) -> None:
         self.m.inc("splitspec_kv_handoff_bytes", nbytes)

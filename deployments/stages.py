@@ -56,12 +56,15 @@ GAUGE_PERIOD_S = 1.0  # how often draft / verify replicas re-set their session g
 class KVHandoff:
     """What prefill returns: the first token and a *reference* to the KV in the object store."""
 
-    first_token: int
+    first_token: int | None  # None: the verifier computes ``prompt_rest`` and draws it
     kv_refs: list  # [ObjectRef[KVPayload]]: in a list so that Ray passes the reference, not the bytes
     kv_bytes: int
     put_at: float  # time.time() when the KV was put (the handoff latency starts here)
     prefill_node: str  # node id of the prefill replica
     feature_refs: list = field(default_factory=list)  # [ObjectRef[Tensor [n, hidden]]] prompt features for a feature drafter
+    # the prompt's last positions, left to the verify session's first step (a prefix-cache hit that left at most
+    # limits.local_prefill_tokens of them: services.prefill.PrefillCall.local_tokens); the KV is of those before
+    prompt_rest: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -279,22 +282,27 @@ class Prefill(_Stage):
         self.batcher = self._batcher(self._prefill_pass, gather_max_s=0.0)
 
     async def stats(self) -> dict:
-        """``_Stage.stats``, and the prefix cache: prompt tokens looked up and reused, prompts and bytes it holds."""
+        """``_Stage.stats``, prompts whose last positions went to the verifier (``local_prefills``), and the prefix
+        cache: prompt tokens looked up and reused, prompts and bytes it holds."""
         cache = self.engine.prefix_cache
         counts = (0,) * 4
         if cache is not None:
             counts = await self._run(lambda: (cache.queried_tokens, cache.hit_tokens, len(cache), cache.nbytes))
-        return {**await super().stats(), **dict(zip(("prefix_queried_tokens", "prefix_hit_tokens", "prefix_cached_prompts",
-                                                     "prefix_cached_bytes"), counts))}
+        return {**await super().stats(), "local_prefills": self.engine.local_prefills,
+                **dict(zip(("prefix_queried_tokens", "prefix_hit_tokens", "prefix_cached_prompts", "prefix_cached_bytes"),
+                           counts))}
 
     async def _prefill_pass(self, calls: list[PrefillCall]) -> list:
         return await self._run(self.engine.prefill_batch, calls)
 
-    async def prefill(self, prompt_ids: list[int], params: SamplingParams, features: bool = False) -> KVHandoff:
-        """``features``: also put the prompt's target features (for a feature drafter) in the object store."""
+    async def prefill(self, prompt_ids: list[int], params: SamplingParams, features: bool = False,
+                      local_tokens: int = 0) -> KVHandoff:
+        """``features``: also put the prompt's target features (for a feature drafter) in the object store.
+        ``local_tokens``: if the prefix cache leaves at most this many positions, hand them over uncomputed
+        (``KVHandoff.prompt_rest``)."""
         await self.faults.point("prefill")
         call = PrefillCall(list(prompt_ids), params, features, request_id=str(next(self.calls)),
-                           chunk=self.config.limits.prefill_chunk_tokens)
+                           chunk=self.config.limits.prefill_chunk_tokens, local_tokens=local_tokens)
         try:
             # a long prompt goes chunk by chunk, each in a pass shared with other prompts: it does not stall
             # their first tokens
@@ -307,7 +315,7 @@ class Prefill(_Stage):
         ref = ray.put(result.payload)  # zero-copy for a verifier on this node; one transfer to another node
         feature_refs = [ray.put(result.features)] if result.features is not None else []
         return KVHandoff(result.first_token, [ref], result.payload.nbytes, put_at, ray.get_runtime_context().get_node_id(),
-                         feature_refs)
+                         feature_refs, result.prompt_rest)
 
 
 @serve.deployment(name="Draft")
@@ -367,6 +375,7 @@ class Verify(_Stage):
         warm_up(self.engine.runner)
         self._decoding: set[str] = set()  # sessions decoding as a stream (``decode``) until they close
         self._ahead: dict[str, _Steps] = {}  # steps started by ``open``, before their ``decode`` call takes them
+        self._prompt_rows: dict[str, int] = {}  # sessions opened with the prompt's rest: rows before pending, to come
         self.decode_streams = 0  # decode calls in all
         # speculation.colocate_drafter: a drafter of this replica's own, on the target's device and engine thread
         # (the EAGLE head on the target's embeddings); ``speculate`` asks it without a stage hop
@@ -438,7 +447,7 @@ class Verify(_Stage):
                     await self.faults.point("verify")  # (every step counts as a verify call)
                     if request_id not in self._decoding:  # closed meanwhile
                         break
-                    verdict = await self.batcher.submit(VerifyCall(request_id, [], None))
+                    verdict = await self.batcher.submit(self._verify_call(request_id, []))
                     verdicts.put_nowait(verdict)
                     if stop.intersection(verdict.token_ids):
                         break
@@ -508,8 +517,7 @@ class Verify(_Stage):
 
         async def verify(v):
             await self.faults.point("verify")
-            return await self.batcher.submit(VerifyCall(request_id, list(v.draft_ids), v.probs,
-                                                        tree_parents=tuple(v.parents) if v.parents else None))
+            return await self.batcher.submit(self._verify_call(request_id, v.draft_ids, v.probs, v.parents))
 
         try:
             yield await self.open(request_id, handoff, params, features)
@@ -523,6 +531,9 @@ class Verify(_Stage):
                     yield DraftFallback("start", type(exc).__name__)
             remote = self.draft.options(session_id=pin(spec.draft_replica)) if spec.draft_replica else None
             first_token = handoff.first_token
+            if first_token is None:  # the prompt's last positions: the session's first step computes them
+                await self.faults.point("verify")
+                (first_token,) = (await self.batcher.submit(self._verify_call(request_id, []))).token_ids
             del handoff, opening  # (the prefill's KV and features are held by the sessions now)
             policy = None
             if spec.adaptive and drafting:
@@ -577,6 +588,10 @@ class Verify(_Stage):
                    decode: tuple[int, list[int]] | None = None) -> SessionOpened:
         """``features``: each verdict carries the target's features of the accepted positions (feature drafters).
 
+        A handoff with ``prompt_rest`` (a prefix-cache hit that left the prompt's last positions to this replica:
+        limits.local_prefill_tokens) opens the session with them still to compute: its first step (a verify call
+        without drafts, or a decode stream's first) computes them in a batched pass and its verdict is the first token.
+
         ``decode`` (max_tokens, stop_ids): the session starts decoding here at once, as ``decode`` would, and its
         verdicts wait for the caller's ``decode`` call, which streams them (by value: speculation.stream_by_value).
         The first step follows the open on this replica, and the pass after the open waits for it, as with
@@ -589,11 +604,13 @@ class Verify(_Stage):
             payload = await ref  # resolved here, in the verifier: the ingress only ever held the reference
             handoff_ms = (time.time() - handoff.put_at) * 1000
             await self._open_session(
-                request_id, lambda: self.engine.open(request_id, payload, handoff.first_token, params, features=features),
-                "opened")
+                request_id, lambda: self.engine.open(request_id, payload, handoff.first_token, params, features=features,
+                                                     prompt_rest=handoff.prompt_rest), "opened")
         except BaseException:
             self.batcher.forget(request_id)  # (no step follows: the next pass must not wait for one)
             raise
+        if handoff.prompt_rest:
+            self._prompt_rows[request_id] = len(handoff.prompt_rest) - 1  # (rows its first call adds: _verify_call)
         if decode is not None:
             # (until the caller's decode call takes them, or close; a caller lost in between leaves at most
             # max_tokens verdicts here, and the session itself to limits.session_idle_s)
@@ -603,10 +620,15 @@ class Verify(_Stage):
 
     async def verify(self, request_id: str, draft_ids: list[int], draft_probs=None, tree_parents=None) -> VerifyResult:
         """Joins the next target pass with the other sessions' verify calls (continuous batching); ``tree_parents``:
-        the drafts are a tree (services.tree)."""
+        the drafts are a tree (services.tree). The first call of a session opened with the prompt's last positions
+        (``KVHandoff.prompt_rest``) takes no drafts: its verdict is the first token."""
         await self.faults.point("verify")
-        return await self.batcher.submit(VerifyCall(request_id, list(draft_ids), draft_probs,
-                                                    tree_parents=tuple(tree_parents) if tree_parents else None))
+        return await self.batcher.submit(self._verify_call(request_id, draft_ids, draft_probs, tree_parents))
+
+    def _verify_call(self, request_id: str, draft_ids, draft_probs=None, tree_parents=None) -> VerifyCall:
+        """A verify call for the batcher; a session's first after a local prefill counts its prompt rows too."""
+        return VerifyCall(request_id, list(draft_ids), draft_probs, tree_parents=tuple(tree_parents) if tree_parents else None,
+                          prompt_rows=self._prompt_rows.pop(request_id, 0))
 
     async def _verify_pass(self, calls: list[VerifyCall | ChainedCall]) -> list:
         """One target pass; with chained calls (``speculate`` with the local drafter), their proposals in one draft
@@ -623,6 +645,7 @@ class Verify(_Stage):
     async def close(self, request_id: str) -> None:
         self.batcher.forget(request_id)
         self._decoding.discard(request_id)
+        self._prompt_rows.pop(request_id, None)
         if (ahead := self._ahead.pop(request_id, None)) is not None:  # steps no decode call came for
             ahead.task.cancel()
         await self._run(self.engine.close, request_id)

@@ -8,6 +8,7 @@ verifier refuses a payload whose fingerprint is not its own model's.
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from dataclasses import dataclass
 
@@ -31,6 +32,12 @@ class KVPayload:
     @property
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.keys) + sum(a.nbytes for a in self.values)
+
+    def compact(self) -> "KVPayload":
+        """The same KV in contiguous arrays of its own (a prefix's views into a longer payload are not: the object
+        store hands contiguous arrays over zero-copy)."""
+        return dataclasses.replace(self, keys=[np.ascontiguousarray(k) for k in self.keys],
+                                   values=[np.ascontiguousarray(v) for v in self.values])
 
 
 def check_fingerprint(payload: KVPayload, fingerprint: str) -> None:

@@ -11,7 +11,7 @@ import torch
 from services.errors import SessionNotFoundError
 from services.kv import KVPayload
 from services.loading import LoadedModel
-from services.prefix_cache import PrefixCache
+from services.prefix_cache import PrefixCache, PrefixHit
 from services.runner import make_runner
 from services.sampling import SamplingParams, logits_to_probs, make_generator, sample
 from services.validation import validate_prompt
@@ -73,7 +73,7 @@ class PrefillEngine:
         self._partial: dict[str, tuple[object, list[torch.Tensor]]] = {}  # request id -> (KV, features) between chunks
         # recent prompts' KV, reused by prompts that start like them (services.prefix_cache); 0 bytes: off
         self.prefix_cache = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes > 0 else None
-        self.handed_rest = 0  # prompts whose last positions went to the verifier (``PrefillCall.local_tokens``)
+        self.local_prefills = 0  # prompts whose last positions went to the verifier (``PrefillCall.local_tokens``)
 
     def prefill(self, prompt_ids: Sequence[int], params: SamplingParams, *, features: bool = False,
                 local_tokens: int = 0) -> PrefillResult:
@@ -103,12 +103,13 @@ class PrefillEngine:
                 if call.start == 0:
                     call.params.validate()
                     validate_prompt(call.prompt_ids, max_context=self.target.max_context, vocab_size=self.target.vocab_size)
-                    cache, feats, cached = self._begin(call)
-                    if cached and not call.features and len(call.prompt_ids) - cached <= call.local_tokens:
-                        results[slot] = PrefillResult(None, cache.export(self.target.fingerprint),
-                                                      prompt_rest=list(call.prompt_ids[cached:]))
-                        self.handed_rest += 1
+                    hit = self._lookup(call)
+                    if hit is not None and not call.features and len(call.prompt_ids) - hit.length <= call.local_tokens:
+                        # (no pass: the cached prefix's KV as it is, in arrays of its own for the object store)
+                        results[slot] = PrefillResult(None, hit.payload.compact(), prompt_rest=list(call.prompt_ids[hit.length:]))
+                        self.local_prefills += 1
                         continue
+                    cache, feats, cached = self._begin(call, hit)
                     call = dataclasses.replace(call, start=cached)  # a prefix-cache hit: go on after it
                 else:
                     cache, feats = self._partial.pop(call.request_id)
@@ -142,10 +143,13 @@ class PrefillEngine:
             results[slot] = result
         return results
 
-    def _begin(self, call: PrefillCall) -> tuple[object, list[torch.Tensor], int]:
-        """A new prompt's KV, features so far and first position to compute: from the prefix cache where it holds
-        the prompt's opening, else empty."""
-        hit = self.prefix_cache.lookup(call.prompt_ids, features=call.features) if self.prefix_cache is not None else None
+    def _lookup(self, call: PrefillCall) -> PrefixHit | None:
+        """The longest prefix of the prompt the prefix cache holds (with features if the call asks for them)."""
+        return self.prefix_cache.lookup(call.prompt_ids, features=call.features) if self.prefix_cache is not None else None
+
+    def _begin(self, call: PrefillCall, hit: PrefixHit | None) -> tuple[object, list[torch.Tensor], int]:
+        """A new prompt's KV, features so far and first position to compute: from the prefix cache's ``hit`` on the
+        prompt's opening, else empty."""
         if hit is None:
             return self.runner.new_cache(), [], 0
         return self.runner.import_payload(hit.payload), [hit.features] if call.features else [], hit.length

@@ -86,6 +86,10 @@ PANELS = [
         ("rows p50 {{stage}}", _q(0.5, "ray_splitspec_batch_rows", "stage")),
         ("rows p95 {{stage}}", _q(0.95, "ray_splitspec_batch_rows", "stage")),
     ), "How many concurrent requests' calls share one engine pass (continuous batching)."),
+    Panel("Prompts prefilled per second, by stage", "reqps", (
+        ("{{stage}}", f"sum by (stage) (rate(ray_splitspec_prefills_total{{{APP}}}[{RATE}]))"),
+    ), "prefill: a pass of the prefill stage; verify: the prefix cache held all but a few positions "
+       "(limits.local_prefill_tokens) and the verify replica computed them in its batched pass."),
     Panel("KV handoff bytes/s", "Bps", (
         ("prefill -> verify", f"sum(rate(ray_splitspec_kv_handoff_bytes_total{{{APP}}}[{RATE}]))"),
     )),

@@ -105,6 +105,7 @@ def test_values_match_what_the_client_saw(loaded):
     assert 0 < drafted and 0 <= accepted <= drafted
     assert value('sum(ray_splitspec_requests_total{outcome="ok"})') == len(LOAD)
     assert value('sum(ray_splitspec_requests_total{outcome="INVALID_ARGUMENT"})') == 2
+    assert value("sum(ray_splitspec_prefills_total)") == len(LOAD)  # one prefill a request, on either stage
     assert 0 <= value("sum(ray_splitspec_pre_draft_hits_total)") <= value("sum(ray_splitspec_pre_drafts_total)") > 0
     acceptance = next(p for p in dashboard.PANELS if p.title == "Acceptance rate").targets[0][1]
     length = next(p for p in dashboard.PANELS if p.title == "Mean acceptance length").targets[0][1]

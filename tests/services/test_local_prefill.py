@@ -23,12 +23,12 @@ def test_a_repeated_prompt_hands_its_last_position_to_the_verifier(tiny):
     assert first.first_token is not None and not first.prompt_rest  # nothing cached yet: a full prefill
     again = engine.prefill(PROMPTS[0], SamplingParams(), local_tokens=4)
     assert again.first_token is None and again.prompt_rest == PROMPTS[0][-1:]
-    assert again.payload.seq_len == len(PROMPTS[0]) - 1 and engine.handed_rest == 1
+    assert again.payload.seq_len == len(PROMPTS[0]) - 1 and engine.local_prefills == 1
     # a rest longer than local_tokens, or a request for features, is prefilled here
     other = engine.prefill(SYSTEM + [60, 61, 62, 63, 64, 65], SamplingParams(), local_tokens=4)
     assert other.first_token is not None and not other.prompt_rest
     assert engine.prefill(PROMPTS[0], SamplingParams(), features=True, local_tokens=4).first_token is not None
-    assert engine.handed_rest == 1
+    assert engine.local_prefills == 1
 
 
 @pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temperature=0.9, top_p=0.95, seed=11)],
@@ -46,7 +46,7 @@ def test_the_answer_is_the_one_a_full_prefill_gives(tiny, params, k):
         cached.prefill(prompt[:-1] + [95], SamplingParams())  # caches all but the last position of the prompt
         got = generate(cached, drafts, verify, prompt, max_new_tokens=20, num_draft_tokens=max(k, 1), params=params,
                        local_tokens=4)
-        assert cached.handed_rest == 1
+        assert cached.local_prefills == 1
         assert got.token_ids == want.token_ids
 
 

@@ -1,7 +1,8 @@
 """speculation.colocate_drafter (the default): each verify replica drafts itself and a speculating request's loop runs there
 (Verify.speculate), with no draft-stage call. Greedy output equals the target alone for every drafter and for
 adaptive and pinned k; seeded sampling is reproducible and follows the target; concurrent sessions share draft and
-verify passes; a lost verify replica is recovered from; a cancelled stream leaves no session."""
+verify passes; a lost verify replica is recovered from; a cancelled stream leaves no session. Also, in this default
+config, a repeated prompt's last position prefilled by the verify replica (limits.local_prefill_tokens)."""
 
 import concurrent.futures
 
@@ -129,6 +130,45 @@ def test_verify_replica_lost_mid_stream(client, reference):
     assert stats.drafted > 0 and not stats.fell_back
     assert recoveries() == before + 1
     until("no session left", lambda: _stats("Verify"), done=lambda st: st["sessions"] == 0 and st["draft_sessions"] == 0)
+
+
+def _local_prefills() -> int:
+    return _stats("Prefill")["local_prefills"]
+
+
+def test_a_repeated_prompt_is_prefilled_by_the_verify_replica(client, reference):
+    """limits.local_prefill_tokens (default 2): the same prompt again leaves its last position to the verify replica,
+    whose first step (a decode stream's, or a speculating loop's in the replica) computes it in a batched pass and
+    draws the first token. Greedy answers stay the target's; a seeded sample is the one a full prefill gives."""
+    prompt = "Name three primary colors."  # (sent by no other test: its first request is prefilled in full)
+    before = _local_prefills()
+    for policy in (dict(speculate=False), dict(speculate=False), dict(drafter="model", num_draft_tokens=2)):
+        response = client.generate(messages=[("user", prompt)], max_new_tokens=MAX_NEW_TOKENS, **policy)
+        assert list(response.token_ids) == reference(prompt), policy
+    assert _local_prefills() == before + 2
+    sampled = dict(messages=[("user", "Name two planets.")], max_new_tokens=MAX_NEW_TOKENS, temperature=0.9, seed=3,
+                   speculate=False)
+    full, local = client.generate(**sampled), client.generate(**sampled)
+    assert list(local.token_ids) == list(full.token_ids) and _local_prefills() == before + 3
+
+
+def test_verify_replica_lost_at_a_local_prefill(client, reference):
+    """The verify replica holding a session's first step (its prompt's last position left to it) is killed: the
+    ingress prefills the prompt in full and opens the session again on the replacement; the answer is exact."""
+    prompt = "List two kinds of fruit."
+    client.generate(messages=[("user", prompt)], max_new_tokens=2, speculate=False)  # (its KV in the prefix cache)
+    recoveries = lambda: _stats("SpecDecodeIngress")["recoveries"].get("verify", 0)  # noqa: E731
+    before, local = recoveries(), _local_prefills()
+    name = arm("Verify", "verify", "hold")
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        answer = pool.submit(lambda: client.generate(messages=[("user", prompt)], max_new_tokens=MAX_NEW_TOKENS,
+                                                     speculate=False))
+        until("a verify call held", lambda: held("Verify"))
+        ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
+        response = answer.result(timeout=BOUND_S)
+    assert list(response.token_ids) == reference(prompt)
+    assert recoveries() == before + 1 and _local_prefills() == local + 1
+    until("no session left", lambda: _stats("Verify"), done=lambda st: st["sessions"] == 0)
 
 
 def test_policy_state_reports_what_the_replica_learned(client):
