@@ -146,10 +146,16 @@ def test_a_repeated_prompt_is_prefilled_by_the_verify_replica(client, reference)
         response = client.generate(messages=[("user", prompt)], max_new_tokens=MAX_NEW_TOKENS, **policy)
         assert list(response.token_ids) == reference(prompt), policy
     assert _local_prefills() == before + 2
+    for n in (1, 2):  # a request that ends with its first step's token, or one step after it
+        assert list(client.generate(messages=[("user", prompt)], max_new_tokens=n, speculate=False).token_ids) == \
+            reference(prompt)[:n]
+    assert _tokens(client.stream(messages=[("user", prompt)], max_new_tokens=MAX_NEW_TOKENS, speculate=False)) == \
+        reference(prompt)
+    assert _local_prefills() == before + 5
     sampled = dict(messages=[("user", "Name two planets.")], max_new_tokens=MAX_NEW_TOKENS, temperature=0.9, seed=3,
                    speculate=False)
     full, local = client.generate(**sampled), client.generate(**sampled)
-    assert list(local.token_ids) == list(full.token_ids) and _local_prefills() == before + 3
+    assert list(local.token_ids) == list(full.token_ids) and _local_prefills() == before + 6
 
 
 def test_verify_replica_lost_at_a_local_prefill(client, reference):

@@ -189,3 +189,16 @@ def test_prompts_that_share_the_chat_template_reuse_its_kv(client, reference):
     after = handle("Prefill").stats.remote().result(timeout_s=60)
     assert after["prefix_hit_tokens"] > before["prefix_hit_tokens"]
     assert after["prefix_hit_tokens"] < after["prefix_queried_tokens"] and after["prefix_cached_prompts"] > 0
+
+
+def test_a_repeated_prompt_is_prefilled_by_the_verify_replica(client, reference):
+    """limits.local_prefill_tokens (default 2) through this graph: the same prompt again leaves its last position to
+    the verify replica — opened and decoded in one call by reference (Verify.decode's opening), and in the ingress's
+    loop over the draft stage, whose first verify call takes no drafts — and the answers stay the target's."""
+    prompt = "Name three primary colors."
+    local_prefills = lambda: handle("Prefill").stats.remote().result(timeout_s=60)["local_prefills"]  # noqa: E731
+    before = local_prefills()
+    for policy in (dict(speculate=False), dict(speculate=False), dict(speculate=True, drafter="model", num_draft_tokens=2)):
+        response = client.generate(messages=[("user", prompt)], max_new_tokens=MAX_NEW_TOKENS, **policy)
+        assert list(response.token_ids) == reference(prompt), policy
+    assert local_prefills() == before + 2
