@@ -250,13 +250,17 @@ class _Stage:
             self._executor.submit(self.engine.close, request_id)
             raise
 
+    def _gone(self, request_id: str) -> None:
+        """A session closed or reaped: no pass waits for its calls any more."""
+        self.batcher.forget(request_id)
+
     async def _report_sessions(self) -> None:
         """Refresh the session gauges periodically (Ray drops a gauge that is not re-set within two report
         intervals), and close the sessions of requests that are gone (limits.session_idle_s)."""
         while True:
             if getattr(self, "batcher", None) is not None:  # (set last in the constructor)
                 for request_id in await self._run(self.engine.sessions.reap, self.config.limits.session_idle_s):
-                    self.batcher.forget(request_id)
+                    self._gone(request_id)
                 if getattr(self, "drafts", None) is not None:  # a colocated drafter's sessions (Verify)
                     for request_id in await self._run(self.drafts.sessions.reap, self.config.limits.session_idle_s):
                         self.batcher.forget(request_id)
@@ -643,10 +647,16 @@ class Verify(_Stage):
         return results
 
     async def close(self, request_id: str) -> None:
-        self.batcher.forget(request_id)
+        self._gone(request_id)
+        await self._run(self.engine.close, request_id)
+
+    def _gone(self, request_id: str) -> None:
+        """``_Stage._gone``, and what the replica holds for the session beside the engine: its decode stream's mark,
+        its first call's prompt rows, the steps an ``open`` started that no ``decode`` call came for (a caller lost
+        in between: cancelled, their verdicts dropped, when the session closes or is reaped)."""
+        super()._gone(request_id)
         self._decoding.discard(request_id)
         self._prompt_rows.pop(request_id, None)
-        if (ahead := self._ahead.pop(request_id, None)) is not None:  # steps no decode call came for
+        if (ahead := self._ahead.pop(request_id, None)) is not None:
             ahead.task.cancel()
-        await self._run(self.engine.close, request_id)
 
