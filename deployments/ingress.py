@@ -540,22 +540,28 @@ class SpecDecodeIngress(OpenAIRoutes):
         self.metrics.recovery(stage)
         self.recoveries[stage] += 1
 
-    async def _reopen_verify(self, plan: api.Plan, s: _Sessions, exc: BaseException) -> None:
+    async def _reopen_verify(self, plan: api.Plan, s: _Sessions, exc: BaseException) -> int:
         """The verify session's replica is gone: prefill the prompt and every emitted token but the last on a live
         prefill replica, and open the session again on a live verify replica, pending that last token — the state it
-        had before the failed call."""
+        had before the failed call. Before the first token (a local prefill's first step was lost): the prompt alone,
+        in full, pending the prefill's own first token, drawn with the request's seed as if nothing had been lost.
+        Returns the pending token."""
         self._lost(plan, "verify", exc, s)
         self._detached(s.verify.close.remote, s.verify_sid)  # (a replica that is alive after all frees its KV)
         s.verify_sid = f"{plan.session_id}#{s.recoveries}"
-        params = reseeded(plan.params, len(s.tokens))
-        opened, _ = await self._open_verify(plan, s, plan.prompt_ids + s.tokens[:-1], s.tokens[-1], params)
+        if s.tokens:
+            ids, pending, params = plan.prompt_ids + s.tokens[:-1], s.tokens[-1], reseeded(plan.params, len(s.tokens))
+        else:
+            ids, pending, params = plan.prompt_ids, None, plan.params
+        opened, pending = await self._open_verify(plan, s, ids, pending, params)
         s.verify = self.verify.options(session_id=pin(opened.replica_id))
+        return pending
 
     async def _first_step(self, plan: api.Plan, s: _Sessions, decodes: bool) -> int:
         """The first token of a session opened with the prompt's last positions (``KVHandoff.prompt_rest``): its first
         step computes them and draws it (the decode stream's first verdict, or a verify call without drafts). If the
         verify replica is lost meanwhile, the prompt is prefilled in full and the session opened again on live
-        replicas, with the prefill's token."""
+        replicas, with the prefill's token (``_reopen_verify``)."""
         try:
             if decodes:
                 verdict = await self._decoded(plan, s)
@@ -566,12 +572,7 @@ class SpecDecodeIngress(OpenAIRoutes):
             self._stop_decoding(s)
             if not _replica_lost(exc):
                 raise
-            self._lost(plan, "verify", exc, s)
-            self._detached(s.verify.close.remote, s.verify_sid)
-            s.verify_sid = f"{plan.session_id}#{s.recoveries}"
-            opened, first_token = await self._open_verify(plan, s, plan.prompt_ids, None, plan.params)
-            s.verify = self.verify.options(session_id=pin(opened.replica_id))
-            return first_token
+            return await self._reopen_verify(plan, s, exc)
 
     async def _open_verify(self, plan: api.Plan, s: _Sessions, ids: list[int], pending: int | None,
                            params) -> tuple[SessionOpened, int]:

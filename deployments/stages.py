@@ -616,8 +616,8 @@ class Verify(_Stage):
         if handoff.prompt_rest:
             self._prompt_rows[request_id] = len(handoff.prompt_rest) - 1  # (rows its first call adds: _verify_call)
         if decode is not None:
-            # (until the caller's decode call takes them, or close; a caller lost in between leaves at most
-            # max_tokens verdicts here, and the session itself to limits.session_idle_s)
+            # (until the caller's decode call takes them; a caller lost in between leaves at most max_tokens
+            # verdicts here until the session is reaped, limits.session_idle_s: ``_gone``)
             self._ahead[request_id] = self._start_steps(request_id, *decode)
         self.opened += 1
         return SessionOpened(*_identity(), handoff_ms=handoff_ms, resolved_bytes=payload.nbytes)

@@ -140,8 +140,7 @@ class VerifyEngine:
         greedy = [session.params.greedy for _, _, session, _, _ in checked]
         prefilling = [session.prefilling for _, _, session, _, _ in checked]
         all_logits, all_features = self.runner.forward_batch(  # per session: [k + 1, V] ([k + 1] ids if greedy), [k + 1, hidden]
-            chunks, greedy=greedy, **({"trees": trees} if any(trees) else {}),
-            **({"last_only": prefilling} if any(prefilling) else {}))
+            chunks, greedy=greedy, last_only=prefilling, **({"trees": trees} if any(trees) else {}))
         for (slot, call, session, draft, tree), start, logits, features in zip(checked, starts, all_logits, all_features):
             # (a greedy session's ``logits`` are the argmax ids of its rows [k + 1]: all that greedy verification reads)
             if session.prefilling:
