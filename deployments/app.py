@@ -25,6 +25,9 @@ GRPC_SERVICERS = [GRPC_SERVICER, HEALTH_SERVICER]
 # Serve runs a replica's methods on an event loop in a thread of their own, and the router of the handles it calls on
 # another; a streamed item then crosses both threads in each replica it passes. config.replica_one_loop: one loop.
 LOOP_ENV_VARS = ("RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD", "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP")
+# Serve's direct ingress in the ingress replica (config.direct_ingress): it serves the ports, and a stop does not
+# wait out Serve's 30-s drain for an external load balancer (there is none: clients connect to the replica)
+DIRECT_INGRESS_ENV = {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1", "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "0"}
 QUEUE_FULL_RETRY_AFTER_S = 1  # what a client told "queue full" (HTTP 429) is asked to wait
 # Serve's default health-check period is fine; replicas load models in their constructor.
 STAGE_DEPLOYMENTS = {"prefill": Prefill, "draft": Draft, "verify": Verify}
@@ -54,16 +57,18 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
         # a full queue: HTTP 429 with Retry-After, as the OpenAI API answers (gRPC: RESOURCE_EXHAUSTED either way)
         backpressure_config=BackpressureConfig(status_code=429, retry_after_s=QUEUE_FULL_RETRY_AFTER_S),
         graceful_shutdown_timeout_s=config.graceful_shutdown_timeout_s,
-        ray_actor_options=actor_options(config.ingress_placement, config.replica_one_loop),
+        ray_actor_options=actor_options(config.ingress_placement, config.replica_one_loop,
+                                        DIRECT_INGRESS_ENV if config.direct_ingress else {}),
     )
     return ingress.bind(plain, stages["prefill"], stages["draft"], stages["verify"])
 
 
-def actor_options(placement: Placement, one_loop: bool = True) -> dict[str, Any]:
+def actor_options(placement: Placement, one_loop: bool = True, env: dict[str, str] | None = None) -> dict[str, Any]:
     """Ray actor options that pin a replica (custom resources and/or a node label selector) and say where it runs its
-    methods and its handles' router: on its own event loop (``one_loop``), or each on a thread of its own."""
-    options: dict[str, Any] = {"num_cpus": placement.num_cpus,
-                               "runtime_env": {"env_vars": {name: "0" if one_loop else "1" for name in LOOP_ENV_VARS}}}
+    methods and its handles' router: on its own event loop (``one_loop``), or each on a thread of its own; ``env``:
+    more of the replica's environment."""
+    env_vars = {name: "0" if one_loop else "1" for name in LOOP_ENV_VARS} | dict(env or {})
+    options: dict[str, Any] = {"num_cpus": placement.num_cpus, "runtime_env": {"env_vars": env_vars}}
     if placement.num_gpus:
         options["num_gpus"] = placement.num_gpus
     if placement.resources:

@@ -223,6 +223,14 @@ class AppConfig(_Strict):
         "the ingress (splitspec's methods never block that loop: engine work runs on each replica's engine thread, "
         "tokenizing on the ingress's pool). false: Serve's default, a thread and a loop of their own",
     )
+    direct_ingress: bool | None = Field(
+        None, description="the ingress replica serves the gRPC and HTTP ports itself (Serve's direct ingress, "
+        "RAY_SERVE_ENABLE_DIRECT_INGRESS in its environment), so a token reaches the client without Serve's proxy: "
+        "one process and one object-store hop fewer a token. Needs a Serve controller started for it, which hands out "
+        "the ports (splitspec.cluster.start_serve(direct_ingress=True)), one application and one ingress replica a "
+        "node. Empty: on where `splitspec serve` starts its own cluster with one ingress replica, off on a cluster "
+        "given by --address and under `serve run` / `serve deploy`; false: always through Serve's proxy",
+    )
     placement_timeout_s: float = Field(30.0, gt=0, description="how long a stage may stay unplaced before it is reported")
     graceful_shutdown_timeout_s: float = Field(
         10.0, ge=0, description="on stop, how long a replica lets its in-flight requests finish before it is killed"

@@ -169,8 +169,14 @@ def cmd_serve(args) -> int:
             local.start()
             print(f"Ray session: {local.session_dir} (logs in logs/)", flush=True)
         stopper.install()  # ray.init put its own SIGTERM handler in place
+        # the ingress replica serves the ports itself on the cluster started here (not on someone else's Serve)
+        direct = local is not None and cluster.direct_ingress_fits(config)
+        config = config.model_copy(update={"direct_ingress": direct})
         if not stopper.requested.is_set():
-            cluster.start_serve(args.grpc_port, args.http_port)
+            proxy_port = cluster.start_serve(args.grpc_port, args.http_port, direct_ingress=direct)
+            if proxy_port is not None:
+                print(f"direct ingress: the ingress replica serves the ports (Serve's proxy, unused, on gRPC port "
+                      f"{proxy_port})", flush=True)
             print(f"deploying {args.app_name!r} ({args.nodes if local else 'existing'} node cluster); models load in the "
                   "replicas ...", flush=True)
         if not stopper.requested.is_set() and cluster.deploy(config, name=args.app_name, stop=stopper.requested):
@@ -256,8 +262,9 @@ def _service(args):
     default_pair.prepare()
     local = cluster.LocalCluster(nodes=args.nodes, dashboard=False, log_to_driver=False).start()
     try:
-        cluster.start_serve(args.grpc_port, args.http_port)
-        cluster.deploy(cluster.placements_for(args.nodes, config))
+        direct = cluster.direct_ingress_fits(config)  # as `splitspec serve` runs it
+        cluster.start_serve(args.grpc_port, args.http_port, direct_ingress=direct)
+        cluster.deploy(cluster.placements_for(args.nodes, config.model_copy(update={"direct_ingress": direct})))
         yield f"127.0.0.1:{args.grpc_port}", True
     finally:
         local.stop()

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import logging
 import os
+import random
+import socket
 import threading
 import time
 from dataclasses import dataclass, field
@@ -155,19 +157,67 @@ class LocalCluster:
         self.stop()
 
 
-def start_serve(grpc_port: int = DEFAULT_GRPC_PORT, http_port: int = 0) -> None:
-    """Start Serve's proxies: splitspec's gRPC service on ``grpc_port`` and the OpenAI-compatible HTTP API on
-    127.0.0.1:``http_port`` (0: a free port, for benchmarks that do not use it)."""
+def start_serve(grpc_port: int = DEFAULT_GRPC_PORT, http_port: int = 0, *, direct_ingress: bool = False) -> int | None:
+    """Start Serve: splitspec's gRPC service on ``grpc_port`` and the OpenAI-compatible HTTP API on
+    127.0.0.1:``http_port`` (0: a free port, for benchmarks that do not use it), served by Serve's proxy.
+
+    ``direct_ingress``: the ingress replica serves both ports itself (Serve's direct ingress; deploy with
+    ``config.direct_ingress``), so every token skips the proxy. Serve still starts its proxy on the head node (its
+    controller insists), on free ports nobody is told of: returns that proxy's gRPC port, which Ray 2.60 binds on
+    all interfaces like the proxy's port otherwise (README, "Network exposure"). One application, one ingress
+    replica on this node: the controller hands each ingress replica a port from ``[port, port + 1)``."""
     from ray import serve
     from ray.serve.config import gRPCOptions
 
-    from deployments.app import GRPC_SERVICERS
+    from deployments.app import DIRECT_INGRESS_ENV, GRPC_SERVICERS
 
+    options = {}
+    proxy_grpc_port = None
+    if direct_ingress:
+        env = {**DIRECT_INGRESS_ENV,
+               "RAY_SERVE_DIRECT_INGRESS_MIN_GRPC_PORT": str(grpc_port),
+               "RAY_SERVE_DIRECT_INGRESS_MAX_GRPC_PORT": str(grpc_port + 1),  # (exclusive)
+               "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(http_port),
+               "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(http_port + 1),
+               # a restarted ingress replica gets its port back at once (Serve holds a released port for its
+               # load balancer's sake otherwise, and there is only the one)
+               "RAY_SERVE_PORT_QUARANTINE_S": "0"}
+        options["controller_options"] = {"runtime_env": {"env_vars": env}}
+        grpc_port = proxy_grpc_port = free_port()
+        http_port = free_port()
     serve.start(
         proxy_location="HeadOnly",  # one proxy, on the head node: the gRPC port opens once
         http_options={"host": LOCAL_HOST, "port": http_port},
         grpc_options=gRPCOptions(port=grpc_port, grpc_servicer_functions=GRPC_SERVICERS),
+        **options,
     )
+    return proxy_grpc_port
+
+
+def direct_ingress_fits(config: AppConfig) -> bool:
+    """Whether ``config`` runs with direct ingress on a local cluster (start_serve): not turned off
+    (``direct_ingress: false``), and one ingress replica (all of a local cluster's share one node's ports)."""
+    return config.direct_ingress is not False and config.ingress_replicas == 1
+
+
+# Free ports come from below the kernel's ephemeral range (ip_local_port_range, 32768-60999 by default): Ray's own
+# servers bind port 0 and get ephemeral ports, and one of them took a "free" port from that range before the proxy
+# bound it ("Failed to bind to address [::]:46769").
+FREE_PORTS = (20000, 32000)
+
+
+def free_port() -> int:
+    """A port nothing listens on, on any interface (Serve binds gRPC ports on [::]), outside the ephemeral range."""
+    for _ in range(200):
+        port = random.randrange(*FREE_PORTS)
+        try:
+            for family, host in ((socket.AF_INET6, "::"), (socket.AF_INET, "127.0.0.1")):  # one after the other
+                with socket.socket(family) as probe:
+                    probe.bind((host, port))
+            return port
+        except OSError:
+            continue
+    raise RuntimeError(f"no free port in {FREE_PORTS}")
 
 
 def deploy(config: AppConfig, *, name: str = DEFAULT_APP_NAME, route_prefix: str | None = "/", timeout_s: float = 600.0,

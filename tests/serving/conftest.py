@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import random
-import socket
 import time
 
 import pytest
@@ -13,6 +11,7 @@ from ray import serve
 from deployments.config import DEFAULT_APP_NAME, AppConfig
 from services.text import encode_prompt
 from splitspec.client import SpecDecodeClient
+from splitspec.cluster import free_port
 from tests.conftest import greedy_reference
 
 # Chat prompts of the greedy-equality tests (>= 8, as issue 3 asks).
@@ -30,24 +29,6 @@ MAX_NEW_TOKENS = 24
 BOUND_S = 180  # bounds a wait for a replica to hold a call or come back (seconds in practice)
 
 
-# Ports the tests give the gRPC proxy come from below the kernel's ephemeral range (ip_local_port_range, 32768-60999
-# by default): Ray's own servers bind port 0 and get ephemeral ports, and one of them took a "free" port from that
-# range before the proxy bound it ("Failed to bind to address [::]:46769").
-TEST_PORTS = (20000, 32000)
-
-
-def free_port() -> int:
-    """A port nothing listens on, on any interface (the gRPC proxy binds [::]), outside the ephemeral range."""
-    for _ in range(200):
-        port = random.randrange(*TEST_PORTS)
-        try:
-            for family, host in ((socket.AF_INET6, "::"), (socket.AF_INET, "127.0.0.1")):  # one after the other
-                with socket.socket(family) as probe:
-                    probe.bind((host, port))
-            return port
-        except OSError:
-            continue
-    raise RuntimeError(f"no free port in {TEST_PORTS}")
 
 
 def make_config(**overrides) -> AppConfig:
@@ -71,16 +52,19 @@ def _merge(into: dict, new: dict) -> None:
 
 
 @contextlib.contextmanager
-def serving(config: AppConfig, *, nodes: int = 1, dashboard: bool = False):
+def serving(config: AppConfig, *, nodes: int = 1, dashboard: bool = False, direct_ingress: bool | None = None):
     """Start a local cluster of ``nodes`` nodes, deploy ``config`` pinned for it, yield a gRPC client (its
-    ``http_base_url`` is the OpenAI-compatible API's, http://127.0.0.1:<port>/v1)."""
+    ``http_base_url`` is the OpenAI-compatible API's, http://127.0.0.1:<port>/v1). ``direct_ingress``: the ingress
+    replica serves the ports, as `splitspec serve` runs it (default: where it does, one ingress replica); False:
+    through Serve's proxy (a test that deploys more applications beside it)."""
     from splitspec import cluster
 
     port, http_port = free_port(), free_port()
+    direct = cluster.direct_ingress_fits(config) if direct_ingress is None else direct_ingress
     local = cluster.LocalCluster(nodes=nodes, dashboard=dashboard, log_to_driver=False).start()
     try:
-        cluster.start_serve(port, http_port)
-        cluster.deploy(cluster.placements_for(nodes, config))
+        cluster.start_serve(port, http_port, direct_ingress=direct)
+        cluster.deploy(cluster.placements_for(nodes, config.model_copy(update={"direct_ingress": direct})))
         with SpecDecodeClient(f"127.0.0.1:{port}", timeout_s=300) as client:
             client.http_base_url = f"http://127.0.0.1:{http_port}/v1"
             yield client

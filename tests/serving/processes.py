@@ -113,6 +113,26 @@ LOOPBACK = {"127.0.0.1", "::1", "::ffff:127.0.0.1"}
 # the gRPC proxy's port, and each replica's inter-deployment gRPC server ("[::]:0" in serve/_private/replica.py).
 PROXY_PROCESS = "ray::ProxyActor"
 REPLICA_PROCESS_PREFIX = "ray::ServeReplica"
+INGRESS_PROCESS = "ray::ServeReplica:splitspec:SpecDecodeIngress"
+
+
+def proxy_port(serve_log: str, grpc_port: int) -> int:
+    """The gRPC port of Serve's proxy: ``grpc_port``, or with direct ingress the one `splitspec serve` printed (the
+    ingress replica then serves ``grpc_port``)."""
+    found = re.search(r"Serve's proxy, unused, on gRPC port (\d+)", serve_log)
+    return int(found.group(1)) if found else grpc_port
+
+
+def listeners(procs: list[psutil.Process], port: int) -> list[str]:
+    """The names of the processes listening on ``port`` (any address)."""
+    found = []
+    for proc in procs:
+        try:
+            if any(c.status == psutil.CONN_LISTEN and c.laddr.port == port for c in proc.net_connections(kind="inet")):
+                found.append(proc.name())
+        except psutil.Error:
+            continue
+    return found
 
 
 def exposed_sockets(procs: list[psutil.Process], grpc_port: int) -> list[str]:

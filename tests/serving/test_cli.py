@@ -10,7 +10,7 @@ import pytest
 
 from splitspec.stopping import DEFAULT_STOP_TIMEOUT_S
 from tests.serving.conftest import free_port
-from tests.serving.processes import BIN, SERVING, ServeProcess, exposed_sockets, listening_on
+from tests.serving.processes import BIN, SERVING, ServeProcess, exposed_sockets, listening_on, proxy_port
 
 pytestmark = pytest.mark.slow
 
@@ -27,7 +27,9 @@ def test_serve_generate_ctrl_c(tmp_path):
             "messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 16,
             "temperature": 0})
         assert answer.status_code == 200 and "Paris" in answer.json()["choices"][0]["message"]["content"]
-        assert exposed_sockets(serve.leftovers(), port) == []  # Ray's own servers listen on loopback only
+        # Ray's own servers listen on loopback only; the ingress replica serves the port (direct ingress)
+        assert exposed_sockets(serve.leftovers(), proxy_port(serve.log, port)) == []
+        assert "direct ingress" in serve.log and listening_on(port)
         out = subprocess.run([BIN / "splitspec", "generate", "What is the capital of France?", "--address",
                               f"127.0.0.1:{port}", "--max-new-tokens", "16", "--k", "2"],
                              capture_output=True, text=True, timeout=120, env=env)

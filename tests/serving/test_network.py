@@ -1,12 +1,15 @@
 """A local cluster keeps Ray's internal traffic on loopback: nothing of it listens beyond 127.0.0.1 except what Ray
-2.60's Serve fixes (the gRPC proxy's port, each replica's inter-deployment gRPC server), on 1 node and on 3."""
+2.60's Serve fixes (the gRPC proxy's port, each replica's gRPC servers: the inter-deployment one and, with direct
+ingress, the service's port), on 1 node and on 3."""
 
 import signal
 
 import pytest
 
 from tests.serving.conftest import free_port
-from tests.serving.processes import PROXY_PROCESS, SERVING, ServeProcess, exposed_sockets
+from tests.serving.processes import (
+    INGRESS_PROCESS, PROXY_PROCESS, SERVING, ServeProcess, exposed_sockets, listeners, proxy_port,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -19,6 +22,9 @@ def test_three_node_cluster_listens_on_loopback_only(tmp_path):
         names = [p.name() for p in procs]
         assert sum(n == "raylet" for n in names) == 4, names  # head + prefill / draft / verify nodes
         assert names.count(PROXY_PROCESS) == 1, names  # one proxy (head node): the gRPC port opens once
-        assert exposed_sockets(procs, port) == []
+        # the ingress replica serves the port (direct ingress); Serve's proxy has one of its own beside it
+        assert exposed_sockets(procs, proxy_port(serve.log, port)) == []
+        owners = listeners(procs, port)  # (Ray's process title may carry the method running: ".GenerateStream")
+        assert len(owners) == 1 and owners[0].startswith(INGRESS_PROCESS), owners
         code, _ = serve.stop(signal.SIGTERM, 40)
         assert code == 0, serve.log[-3000:]
