@@ -20,9 +20,10 @@ logger = logging.getLogger(__name__)
 # RETRY_BACKOFF_S[1] between tries (about 23 s in all).
 RETRIES = 6
 RETRY_BACKOFF_S = (0.5, 8.0)
-# Ray 2.60's gRPC proxy reports an ingress replica that died during the call as INTERNAL with Ray's actor-death
-# message (ray/serve/_private/grpc_util.py maps RayActorError to INTERNAL); splitspec's own INTERNAL errors say
-# "internal error (reference ...)" and are not retried.
+# An ingress replica that died during the call: UNAVAILABLE where it served the port itself (direct ingress: the
+# connection breaks); through Ray 2.60's gRPC proxy, INTERNAL with Ray's actor-death message
+# (ray/serve/_private/grpc_util.py maps RayActorError to INTERNAL). splitspec's own INTERNAL errors say "internal
+# error (reference ...)" and are not retried.
 LOST_INGRESS = "actor died unexpectedly"
 
 MODES = {None: pb.SpeculationPolicy.MODE_UNSPECIFIED, True: pb.SpeculationPolicy.MODE_ON, False: pb.SpeculationPolicy.MODE_OFF}

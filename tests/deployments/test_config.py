@@ -75,6 +75,21 @@ def test_replica_one_loop(one_loop):
     assert AppConfig().replica_one_loop is True
 
 
+@pytest.mark.parametrize("direct", [None, False, True])
+def test_direct_ingress(direct):
+    """The ingress replica (only it) gets Serve's direct-ingress flag in its runtime_env when the config turns it on;
+    `splitspec serve` and the tests' local clusters turn it on where it fits (one ingress replica, not switched off)."""
+    from splitspec.cluster import direct_ingress_fits
+
+    ingress = build_app({"direct_ingress": direct})._bound_deployment
+    stages = [arg._bound_deployment for arg in ingress.init_args[1:]]
+    env = ingress.ray_actor_options["runtime_env"]["env_vars"]
+    assert (env.get("RAY_SERVE_ENABLE_DIRECT_INGRESS") == "1") is bool(direct)
+    assert all("RAY_SERVE_ENABLE_DIRECT_INGRESS" not in d.ray_actor_options["runtime_env"]["env_vars"] for d in stages)
+    assert direct_ingress_fits(AppConfig.model_validate({"direct_ingress": direct})) is (direct is not False)
+    assert not direct_ingress_fits(AppConfig.model_validate({"direct_ingress": direct, "ingress_replicas": 2}))
+
+
 def test_decode_streams_go_by_value_by_default():
     """A request without speculation streams its tokens by value (Serve's direct gRPC), unless the config says not."""
     assert AppConfig().speculation.stream_by_value is True

@@ -181,9 +181,10 @@ def test_draft_replica_lost_then_speculation_resumes(client, expected):
 
 
 def test_ingress_replica_lost_client_retries(client, expected):
-    """The ingress replica is killed while a unary call is in flight (its verify call holds): the call fails (Ray
-    2.60's proxy says INTERNAL, "actor died unexpectedly"), and the client sends it again, to the replacement ingress
-    (UNAVAILABLE until it is up)."""
+    """The ingress replica is killed while a unary call is in flight (its verify call holds): the call fails, and the
+    client sends it again, to the replacement ingress (UNAVAILABLE until it is up). The ingress replica serves the port
+    here (direct ingress), so the call's connection breaks: UNAVAILABLE from the first (through Serve's proxy, Ray 2.60
+    says INTERNAL, "actor died unexpectedly": splitspec.client.retryable, tests/deployments/test_faults.py)."""
     ingress = next(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
                    if a["name"].startswith(f"SERVE_REPLICA::{APP}#SpecDecodeIngress#"))
     retries = []
@@ -197,4 +198,4 @@ def test_ingress_replica_lost_client_retries(client, expected):
             response = answer.result(timeout=BOUND_S)
     handle("Verify").release_fault.remote().result(timeout_s=60)  # (the lost request's call)
     assert list(response.token_ids) == expected(LONG[3])
-    assert retries[0] == grpc.StatusCode.INTERNAL and set(retries[1:]) <= {grpc.StatusCode.UNAVAILABLE}, retries
+    assert retries and set(retries) == {grpc.StatusCode.UNAVAILABLE}, retries
