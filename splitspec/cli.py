@@ -262,9 +262,7 @@ def _service(args):
     default_pair.prepare()
     local = cluster.LocalCluster(nodes=args.nodes, dashboard=False, log_to_driver=False).start()
     try:
-        direct = cluster.direct_ingress_fits(config)  # as `splitspec serve` runs it
-        cluster.start_serve(args.grpc_port, args.http_port, direct_ingress=direct)
-        cluster.deploy(cluster.placements_for(args.nodes, config.model_copy(update={"direct_ingress": direct})))
+        cluster.serve_local(config, args.nodes, args.grpc_port, args.http_port)  # as `splitspec serve` runs it
         yield f"127.0.0.1:{args.grpc_port}", True
     finally:
         local.stop()

@@ -194,6 +194,16 @@ def start_serve(grpc_port: int = DEFAULT_GRPC_PORT, http_port: int = 0, *, direc
     return proxy_grpc_port
 
 
+def serve_local(config: AppConfig, nodes: int, grpc_port: int, http_port: int, *,
+                direct_ingress: bool | None = None) -> None:
+    """On the local cluster just started with ``nodes`` nodes: start Serve and deploy ``config`` pinned for it and
+    wait until it runs. ``direct_ingress``: the ingress replica serves the ports (start_serve); default: where it
+    fits (direct_ingress_fits), as `splitspec serve` runs it."""
+    direct = direct_ingress_fits(config) if direct_ingress is None else direct_ingress
+    start_serve(grpc_port, http_port, direct_ingress=direct)
+    deploy(placements_for(nodes, config.model_copy(update={"direct_ingress": direct})))
+
+
 def direct_ingress_fits(config: AppConfig) -> bool:
     """Whether ``config`` runs with direct ingress on a local cluster (start_serve): not turned off
     (``direct_ingress: false``), and one ingress replica (all of a local cluster's share one node's ports)."""

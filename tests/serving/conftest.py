@@ -60,11 +60,9 @@ def serving(config: AppConfig, *, nodes: int = 1, dashboard: bool = False, direc
     from splitspec import cluster
 
     port, http_port = free_port(), free_port()
-    direct = cluster.direct_ingress_fits(config) if direct_ingress is None else direct_ingress
     local = cluster.LocalCluster(nodes=nodes, dashboard=dashboard, log_to_driver=False).start()
     try:
-        cluster.start_serve(port, http_port, direct_ingress=direct)
-        cluster.deploy(cluster.placements_for(nodes, config.model_copy(update={"direct_ingress": direct})))
+        cluster.serve_local(config, nodes, port, http_port, direct_ingress=direct_ingress)
         with SpecDecodeClient(f"127.0.0.1:{port}", timeout_s=300) as client:
             client.http_base_url = f"http://127.0.0.1:{http_port}/v1"
             yield client
@@ -96,6 +94,11 @@ def until(what: str, check, bound_s: float = BOUND_S, done=bool):
             value = exc
         assert time.monotonic() < deadline, f"{what}: not within {bound_s}s (last: {value!r})"
         time.sleep(0.2)
+
+
+def local_prefills() -> int:
+    """Prompts the Prefill replica handed to the verify replica to finish (limits.local_prefill_tokens)."""
+    return handle("Prefill").stats.remote().result(timeout_s=60)["local_prefills"]
 
 
 def held(deployment: str) -> bool:

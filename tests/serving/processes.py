@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -123,21 +124,8 @@ def proxy_port(serve_log: str, grpc_port: int) -> int:
     return int(found.group(1)) if found else grpc_port
 
 
-def listeners(procs: list[psutil.Process], port: int) -> list[str]:
-    """The names of the processes listening on ``port`` (any address)."""
-    found = []
-    for proc in procs:
-        try:
-            if any(c.status == psutil.CONN_LISTEN and c.laddr.port == port for c in proc.net_connections(kind="inet")):
-                found.append(proc.name())
-        except psutil.Error:
-            continue
-    return found
-
-
-def exposed_sockets(procs: list[psutil.Process], grpc_port: int) -> list[str]:
-    """'name pid ip:port' of every listening socket beyond loopback, other than the two that Ray 2.60 fixes."""
-    found = []
+def _listening(procs: list[psutil.Process]) -> Iterator[tuple[psutil.Process, str, tuple]]:
+    """(process, its name, local address) of every listening inet socket of ``procs``."""
     for proc in procs:
         try:
             name = proc.name()
@@ -145,11 +133,17 @@ def exposed_sockets(procs: list[psutil.Process], grpc_port: int) -> list[str]:
         except psutil.Error:
             continue
         for conn in conns:
-            if conn.status != psutil.CONN_LISTEN or conn.laddr.ip in LOOPBACK:
-                continue
-            if name == PROXY_PROCESS and conn.laddr.port == grpc_port:
-                continue
-            if name.startswith(REPLICA_PROCESS_PREFIX):
-                continue
-            found.append(f"{name} {proc.pid} {conn.laddr.ip}:{conn.laddr.port}")
-    return found
+            if conn.status == psutil.CONN_LISTEN:
+                yield proc, name, conn.laddr
+
+
+def listeners(procs: list[psutil.Process], port: int) -> list[str]:
+    """The names of the processes listening on ``port`` (any address), each process once."""
+    return list({proc.pid: name for proc, name, laddr in _listening(procs) if laddr.port == port}.values())
+
+
+def exposed_sockets(procs: list[psutil.Process], grpc_port: int) -> list[str]:
+    """'name pid ip:port' of every listening socket beyond loopback, other than the two that Ray 2.60 fixes."""
+    return [f"{name} {proc.pid} {laddr.ip}:{laddr.port}" for proc, name, laddr in _listening(procs)
+            if laddr.ip not in LOOPBACK and not (name == PROXY_PROCESS and laddr.port == grpc_port)
+            and not name.startswith(REPLICA_PROCESS_PREFIX)]

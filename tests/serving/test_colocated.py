@@ -10,8 +10,8 @@ import pytest
 import ray
 
 from tests.serving.conftest import (
-    BOUND_S, MAX_NEW_TOKENS, PROMPTS, arm, assert_second_token_follows_the_target, handle, held, make_config, serving,
-    until,
+    BOUND_S, MAX_NEW_TOKENS, PROMPTS, arm, assert_second_token_follows_the_target, handle, held, local_prefills,
+    make_config, serving, until,
 )
 
 pytestmark = pytest.mark.slow
@@ -132,30 +132,26 @@ def test_verify_replica_lost_mid_stream(client, reference):
     until("no session left", lambda: _stats("Verify"), done=lambda st: st["sessions"] == 0 and st["draft_sessions"] == 0)
 
 
-def _local_prefills() -> int:
-    return _stats("Prefill")["local_prefills"]
-
-
 def test_a_repeated_prompt_is_prefilled_by_the_verify_replica(client, reference):
     """limits.local_prefill_tokens (default 2): the same prompt again leaves its last position to the verify replica,
     whose first step (a decode stream's, or a speculating loop's in the replica) computes it in a batched pass and
     draws the first token. Greedy answers stay the target's; a seeded sample is the one a full prefill gives."""
     prompt = "Name three primary colors."  # (sent by no other test: its first request is prefilled in full)
-    before = _local_prefills()
+    before = local_prefills()
     for policy in (dict(speculate=False), dict(speculate=False), dict(drafter="model", num_draft_tokens=2)):
         response = client.generate(messages=[("user", prompt)], max_new_tokens=MAX_NEW_TOKENS, **policy)
         assert list(response.token_ids) == reference(prompt), policy
-    assert _local_prefills() == before + 2
+    assert local_prefills() == before + 2
     for n in (1, 2):  # a request that ends with its first step's token, or one step after it
         assert list(client.generate(messages=[("user", prompt)], max_new_tokens=n, speculate=False).token_ids) == \
             reference(prompt)[:n]
     assert _tokens(client.stream(messages=[("user", prompt)], max_new_tokens=MAX_NEW_TOKENS, speculate=False)) == \
         reference(prompt)
-    assert _local_prefills() == before + 5
+    assert local_prefills() == before + 5
     sampled = dict(messages=[("user", "Name two planets.")], max_new_tokens=MAX_NEW_TOKENS, temperature=0.9, seed=3,
                    speculate=False)
     full, local = client.generate(**sampled), client.generate(**sampled)
-    assert list(local.token_ids) == list(full.token_ids) and _local_prefills() == before + 6
+    assert list(local.token_ids) == list(full.token_ids) and local_prefills() == before + 6
 
 
 def test_verify_replica_lost_at_a_local_prefill(client, reference):
@@ -164,7 +160,7 @@ def test_verify_replica_lost_at_a_local_prefill(client, reference):
     prompt = "List two kinds of fruit."
     client.generate(messages=[("user", prompt)], max_new_tokens=2, speculate=False)  # (its KV in the prefix cache)
     recoveries = lambda: _stats("SpecDecodeIngress")["recoveries"].get("verify", 0)  # noqa: E731
-    before, local = recoveries(), _local_prefills()
+    before, local = recoveries(), local_prefills()
     name = arm("Verify", "verify", "hold")
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         answer = pool.submit(lambda: client.generate(messages=[("user", prompt)], max_new_tokens=MAX_NEW_TOKENS,
@@ -173,7 +169,7 @@ def test_verify_replica_lost_at_a_local_prefill(client, reference):
         ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
         response = answer.result(timeout=BOUND_S)
     assert list(response.token_ids) == reference(prompt)
-    assert recoveries() == before + 1 and _local_prefills() == local + 1
+    assert recoveries() == before + 1 and local_prefills() == local + 1
     until("no session left", lambda: _stats("Verify"), done=lambda st: st["sessions"] == 0)
 
 

@@ -3,7 +3,9 @@
 import pytest
 
 from splitspec.v1 import splitspec_pb2 as pb
-from tests.serving.conftest import MAX_NEW_TOKENS, PROMPTS, assert_second_token_follows_the_target, handle, make_config, serving
+from tests.serving.conftest import (
+    MAX_NEW_TOKENS, PROMPTS, assert_second_token_follows_the_target, handle, local_prefills, make_config, serving,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -196,7 +198,6 @@ def test_a_repeated_prompt_is_prefilled_by_the_verify_replica(client, reference)
     the verify replica — opened and decoded in one call by reference (Verify.decode's opening), and in the ingress's
     loop over the draft stage, whose first verify call takes no drafts — and the answers stay the target's."""
     prompt = "Name three primary colors."
-    local_prefills = lambda: handle("Prefill").stats.remote().result(timeout_s=60)["local_prefills"]  # noqa: E731
     before = local_prefills()
     for policy in (dict(speculate=False), dict(speculate=False), dict(speculate=True, drafter="model", num_draft_tokens=2)):
         response = client.generate(messages=[("user", prompt)], max_new_tokens=MAX_NEW_TOKENS, **policy)
