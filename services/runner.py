@@ -15,12 +15,15 @@ random stream whatever the device, and accept / reject is the same code.
 from __future__ import annotations
 
 import inspect
+import logging
 
 import torch
 
 from services.draft_vocab import scatter_kept
 from services.kv import KVCache, KVPayload
 from services.loading import LoadedModel
+
+logger = logging.getLogger(__name__)
 
 
 class ModelRunner:
@@ -92,17 +95,27 @@ def cache_kwarg(model) -> str:
 
 
 def make_runner(loaded: LoadedModel, *, fast: bool = True, kept_ids: torch.Tensor | None = None,
-                weight_storage: torch.dtype | None = None):
+                weight_storage: torch.dtype | None = None, batch_invariant: bool = False,
+                kv_capacity: int | None = None):
     """The fastest runner that supports ``loaded`` (``fast=False`` forces transformers' forward).
 
     ``kept_ids`` [N] prunes the LM head to those ids (a drafter's pruned vocabulary, services.draft_vocab):
     logits elsewhere are -inf. ``weight_storage`` (a drafter's: torch.bfloat16): the compact forward's matmul
-    weights in that precision (fast_llama.Linear); transformers' forward ignores it.
+    weights in that precision (fast_llama.Linear); transformers' forward ignores it. ``batch_invariant`` (a
+    verifier's): where transformers' forward runs, it runs batch-invariant (services.batch_invariant) over static
+    KV buffers of ``kv_capacity`` positions (default: the model's context); the compact forward is already.
     """
+    from services import batch_invariant as invariant
     from services import fast_llama
 
     if fast and loaded.model.device.type == "cpu" and fast_llama.supports(loaded.model.config):
         return fast_llama.FastLlamaRunner(loaded, kept_ids=kept_ids, weight_storage=weight_storage)
+    if batch_invariant and kept_ids is None:
+        if invariant.supports(loaded.config):
+            return invariant.BatchInvariantRunner(loaded, capacity=kv_capacity)
+        logger.warning("%s: transformers' forward is not batch-invariant for this architecture (its KV does not fit "
+                       "a static buffer): greedy output may differ from the target alone where two logits nearly tie",
+                       loaded.model_id)
     return ModelRunner(loaded, kept_ids=kept_ids)
 
 

@@ -1,0 +1,166 @@
+"""transformers' forward made batch-invariant: a token's logits do not depend on how many rows share its pass.
+
+Greedy speculative decoding is lossless only if the verify pass scores each
+draft exactly as the target would one token at a time: a k + 1-row pass that
+rounds differently from a one-row step can move the argmax where the two best
+logits nearly tie. The CPU's compact forward (``fast_llama``) is built that way
+(its kernels compute each row on its own). transformers' forward — the path of
+every model on a GPU, and of other architectures on the CPU — is not: the
+matmul and attention kernels a backend picks depend on the number of rows and
+keys (cuBLAS / MKL choose tiles and split-K by shape; SDPA splits the keys by
+their count), and so does their order of summation.
+
+``BatchInvariantRunner`` gives every decode forward one shape, whatever its
+rows (the approach of gpt-fast's static cache and of vLLM's batch-invariant
+mode, here without custom kernels):
+
+- rows: a chunk of up to ``rows`` tokens (a verify block, a step, a short
+  prompt rest) is padded to ``rows`` with copies of its last token; the
+  padding's logits are dropped and its K/V, written past the sequence, is
+  masked out of every later pass and overwritten by the next tokens;
+- keys: the KV lives at fixed positions of a buffer of ``capacity``
+  positions (``StaticKVCache``) and every pass attends over the whole buffer
+  through an explicit mask (a row sees the positions up to its own).
+
+So each matmul, norm and attention call of a decode pass has the same shape in
+every pass, and a row's result depends on its own inputs only (a kernel of a
+given shape computes every row the same way). Rolled back by a length, as
+gpt-fast does. Longer chunks (prompts) run in one pass of their own length:
+like the compact forward's prompts, their KV is the prefill's and the same on
+either side of a comparison.
+
+The cost: a step computes ``rows`` rows and attends over ``capacity`` keys,
+which on a GPU (bound by memory and launches at these sizes) costs little, and
+each session holds a buffer of ``capacity`` positions (``kv_capacity``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from services.errors import InvalidRequestError
+from services.kv import KVPayload, as_tensor, check_fingerprint, to_numpy
+from services.runner import ModelRunner
+from services.validation import MAX_DRAFT_TOKENS
+
+PASS_ROWS = MAX_DRAFT_TOKENS + 1  # the longest verify block: pending + k drafts; every shorter chunk is padded to it
+
+
+def supports(config) -> bool:
+    """A model whose every layer attends over its full KV, one K/V per layer (no sliding window, no linear
+    attention, no shared or cross-layer KV): the static buffer holds its cache."""
+    layer_types = getattr(config, "layer_types", None) or ["full_attention"]
+    return all(kind == "full_attention" for kind in layer_types) and not getattr(config, "sliding_window", None) \
+        and hasattr(config, "num_key_value_heads") and hasattr(config, "num_hidden_layers")
+
+
+def kv_shape(config) -> tuple[int, int, int]:  # (layers, kv_heads, head_dim)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return config.num_hidden_layers, config.num_key_value_heads, head_dim
+
+
+class StaticKVCache:
+    """KV of one sequence at fixed positions of one buffer [layers, 2, kv_heads, capacity, head_dim].
+
+    To transformers' forward it is a cache (``update`` writes the pass's K/V at its positions and returns the whole
+    buffer); positions past ``seq_len`` hold stale K/V that the mask hides. ``crop`` moves the length.
+    """
+
+    def __init__(self, config, capacity: int, dtype: torch.dtype, device: torch.device | str = "cpu"):
+        layers, kv_heads, head_dim = kv_shape(config)
+        # zeros, not empty: masked positions are multiplied by 0 in attention, which must not meet inf or nan
+        self.buffer = torch.zeros(layers, 2, kv_heads, capacity, head_dim, dtype=dtype, device=device)
+        self.seq_len = 0
+        self.start = 0  # where the running pass writes its first row
+
+    @property
+    def capacity(self) -> int:
+        return self.buffer.shape[3]
+
+    @property
+    def nbytes(self) -> int:
+        return self.buffer.nbytes
+
+    def crop(self, length: int) -> None:
+        """Roll back to the first ``length`` positions (rejected tokens are forgotten)."""
+        if not 0 <= length <= self.seq_len:
+            raise ValueError(f"cannot crop a cache of {self.seq_len} positions to {length}")
+        self.seq_len = length
+
+    # transformers' Cache, as far as a forward with explicit positions and a 4D mask uses it
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        n = key_states.shape[-2]  # key_states: [1, kv_heads, n, head_dim]
+        self.buffer[layer_idx, 0, :, self.start : self.start + n] = key_states[0]
+        self.buffer[layer_idx, 1, :, self.start : self.start + n] = value_states[0]
+        return self.buffer[layer_idx, 0][None], self.buffer[layer_idx, 1][None]  # 2 x [1, kv_heads, capacity, head_dim]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.start
+
+    def export(self, fingerprint: str) -> KVPayload:
+        view = self.buffer[:, :, :, : self.seq_len]  # [layers, 2, kv_heads, seq_len, head_dim]
+        return KVPayload(keys=[to_numpy(layer[0]) for layer in view], values=[to_numpy(layer[1]) for layer in view],
+                         seq_len=self.seq_len, fingerprint=fingerprint,
+                         dtype=str(self.buffer.dtype).removeprefix("torch."))
+
+
+class BatchInvariantRunner(ModelRunner):
+    """transformers' forward over ``StaticKVCache``s, every chunk of up to ``rows`` tokens padded to ``rows``."""
+
+    def __init__(self, loaded, *, capacity: int | None = None, rows: int = PASS_ROWS):
+        super().__init__(loaded)
+        if not supports(loaded.config):
+            raise ValueError(f"{loaded.model_id}: its attention layers do not fit a static KV buffer")
+        self.rows = rows
+        # room for the last pass's padding past the model's context
+        self.capacity = (capacity or loaded.max_context) + rows
+
+    def new_cache(self) -> StaticKVCache:
+        return StaticKVCache(self.model.config, self.capacity, self.model.dtype, self.device)
+
+    def import_payload(self, payload: KVPayload) -> StaticKVCache:
+        check_fingerprint(payload, self.loaded.fingerprint)
+        cache = self.new_cache()
+        n = payload.seq_len
+        if len(payload.keys) != cache.buffer.shape[0]:
+            raise InvalidRequestError(f"KV payload has {len(payload.keys)} layers, the model has {cache.buffer.shape[0]}")
+        self._check_room(n, 0)
+        cache.buffer[:, 0, :, :n] = torch.stack([as_tensor(k, payload.dtype) for k in payload.keys]).to(self.device)
+        cache.buffer[:, 1, :, :n] = torch.stack([as_tensor(v, payload.dtype) for v in payload.values]).to(self.device)
+        cache.seq_len = n
+        return cache
+
+    def _check_room(self, start: int, n: int) -> None:
+        if start + max(n, self.rows) > self.capacity:
+            raise InvalidRequestError(f"{start + n} positions do not fit this verifier's KV capacity of "
+                                      f"{self.capacity - self.rows} (kv_capacity)")
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, cache: StaticKVCache, *, last_only: bool = False,
+                return_features: bool = False):
+        """As ``ModelRunner.forward``; a chunk of up to ``rows`` tokens runs as a pass of exactly ``rows``."""
+        n, start = input_ids.shape[0], cache.seq_len
+        self._check_room(start, n)
+        padded = max(n, self.rows)
+        ids = input_ids.to(self.device)
+        if padded > n:
+            ids = torch.cat([ids, ids[-1:].expand(padded - n)])  # [rows]
+        positions = torch.arange(start, start + padded, device=self.device)  # [rows]
+        visible = torch.arange(self.capacity, device=self.device)[None] <= positions[:, None]  # [rows, capacity]
+        mask = torch.zeros(visible.shape, dtype=self.model.dtype, device=self.device)
+        mask.masked_fill_(~visible, torch.finfo(self.model.dtype).min)  # additive: eager and SDPA both take it
+        cache.start = start
+        out = self.model(
+            input_ids=ids[None],
+            attention_mask=mask[None, None],  # [1, 1, rows, capacity]: used as it is
+            position_ids=positions[None],
+            **{self._cache_kwarg: cache},
+            use_cache=True,
+            # a padded pass computes every row's logits (one shape); a prompt only its last row's
+            logits_to_keep=1 if last_only and padded == n else 0,
+            output_hidden_states=return_features,
+        )
+        cache.seq_len = start + n
+        logits = out.logits[0, :n][-1:] if last_only and padded > n else out.logits[0, :n]
+        logits = logits.float().cpu()  # [n or 1, vocab_size] on the host, for the sampler
+        return (logits, out.hidden_states[-1][0, :n].cpu()) if return_features else logits
