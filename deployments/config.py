@@ -72,6 +72,12 @@ class StageConfig(_Strict):
     placement: Placement = Field(default_factory=Placement, description="hardware pinning of this stage")
     device: str = Field("cpu", description="where the stage's model and KV live: cpu or cuda (needs placement.num_gpus > 0)")
     dtype: str = Field("", description="weights dtype of this stage (float32, bfloat16, float16); empty = models.dtype")
+    kv_capacity: int = Field(
+        0, ge=0, description="verify only: the longest sequence (prompt and answer) a session holds; 0 = the target's "
+        "context. Where the verifier runs transformers' forward (every GPU stage) each session holds a static KV "
+        "buffer of this many positions and every pass attends over all of them (services.batch_invariant): lower "
+        "it for long-context models to save memory and attention time",
+    )
 
 
 class SpeculationDefaults(_Strict):
@@ -260,10 +266,18 @@ class AppConfig(_Strict):
             if kind == "cuda" and stage.placement.num_gpus <= 0:
                 raise ValueError(f"stages.{name}.device is {stage.device!r}: set stages.{name}.placement.num_gpus "
                                  "(e.g. 1) so that Ray gives its replicas a GPU")
+            if stage.kv_capacity and name != "verify":
+                raise ValueError(f"stages.{name}.kv_capacity: only the verify stage holds sessions' KV (set "
+                                 "stages.verify.kv_capacity)")
         if self.stage_dtype("prefill") != self.stage_dtype("verify"):
             raise ValueError(f"stages.prefill and stages.verify must use one dtype (the KV passes between them), got "
                              f"{self.stage_dtype('prefill')!r} and {self.stage_dtype('verify')!r}")
         return self
+
+    def context_limit(self, target_context: int) -> int:
+        """The longest sequence a request may reach: the target's context, or the verifier's ``kv_capacity``."""
+        capacity = self.stages.verify.kv_capacity
+        return min(target_context, capacity) if capacity else target_context
 
     def stage_dtype(self, name: str) -> str:
         """The weights dtype a stage loads its model in."""

@@ -134,6 +134,13 @@ def supports(config) -> bool:
     )
 
 
+def batch_invariant(dtype: torch.dtype) -> bool:
+    """Whether this forward's rows are batch-invariant in ``dtype``: in float32 where the kernels are built (the skinny
+    matmul and the decode attention compute each row on its own); otherwise its BLAS calls and SDPA depend on the
+    number of rows and keys, as transformers' forward does."""
+    return dtype == torch.float32 and kernels.skinny_gemm() is not None and kernels.decode_attention() is not None
+
+
 class DenseKVCache:
     """KV of one sequence in one buffer [layers, 2, kv_heads, capacity, head_dim]; crop moves a length."""
 

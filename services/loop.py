@@ -344,8 +344,8 @@ def speculative_decode(
     params.validate()
     if draft is not None:
         validate_num_draft_tokens(num_draft_tokens)
-    prompt_ids = validate_prompt(prompt_ids, max_context=target.max_context, vocab_size=target.vocab_size)
-    validate_max_new_tokens(max_new_tokens, prompt_len=len(prompt_ids), max_context=target.max_context)
+    prompt_ids = validate_prompt(prompt_ids, max_context=verify.max_context, vocab_size=target.vocab_size)
+    validate_max_new_tokens(max_new_tokens, prompt_len=len(prompt_ids), max_context=verify.max_context)
     features = draft is not None and drafter in FEATURE_DRAFTERS  # the drafter reads the target's features
     # 1. prefill the target (and start the draft session over the same prompt)
     result = prefill.prefill(prompt_ids, params, features=features, local_tokens=local_tokens)

@@ -103,12 +103,14 @@ def make_runner(loaded: LoadedModel, *, fast: bool = True, kept_ids: torch.Tenso
     logits elsewhere are -inf. ``weight_storage`` (a drafter's: torch.bfloat16): the compact forward's matmul
     weights in that precision (fast_llama.Linear); transformers' forward ignores it. ``batch_invariant`` (a
     verifier's): where transformers' forward runs, it runs batch-invariant (services.batch_invariant) over static
-    KV buffers of ``kv_capacity`` positions (default: the model's context); the compact forward is already.
+    KV buffers of ``kv_capacity`` positions (default: the model's context), and it replaces the compact forward where
+    that one is not batch-invariant itself (not float32, or its kernels not built: ``fast_llama.batch_invariant``).
     """
     from services import batch_invariant as invariant
     from services import fast_llama
 
-    if fast and loaded.model.device.type == "cpu" and fast_llama.supports(loaded.model.config):
+    if fast and loaded.model.device.type == "cpu" and fast_llama.supports(loaded.model.config) \
+            and (not batch_invariant or fast_llama.batch_invariant(loaded.model.dtype)):
         return fast_llama.FastLlamaRunner(loaded, kept_ids=kept_ids, weight_storage=weight_storage)
     if batch_invariant and kept_ids is None:
         if invariant.supports(loaded.config):

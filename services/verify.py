@@ -71,9 +71,14 @@ class VerifyResult:
 class VerifyEngine:
     """Per-session verification of the target model."""
 
-    def __init__(self, target: LoadedModel, *, max_sessions: int = DEFAULT_MAX_SESSIONS, max_kv_bytes: int = DEFAULT_MAX_KV_BYTES):
+    def __init__(self, target: LoadedModel, *, max_sessions: int = DEFAULT_MAX_SESSIONS, max_kv_bytes: int = DEFAULT_MAX_KV_BYTES,
+                 kv_capacity: int | None = None, fast: bool = True):
+        """``kv_capacity``: the longest sequence a session holds (default: the target's context); ``fast=False``:
+        transformers' forward even where the compact one runs (the GPU path, on the CPU)."""
         self.target = target
-        self.runner = make_runner(target)
+        # batch-invariant: a row's logits are the same in a k + 1-row pass as in a one-row step (greedy exactness)
+        self.runner = make_runner(target, fast=fast, batch_invariant=True, kv_capacity=kv_capacity)
+        self.max_context = min(target.max_context, kv_capacity or target.max_context)
         self.sessions: SessionStore[VerifySession] = SessionStore(
             kind="verify", max_sessions=max_sessions, max_kv_bytes=max_kv_bytes
         )
@@ -189,7 +194,7 @@ class VerifyEngine:
                                       "call takes no drafts (it draws the first token)")
         if k > MAX_DRAFT_TOKENS:
             raise InvalidRequestError(f"got {k} draft tokens, at most {MAX_DRAFT_TOKENS} are allowed")
-        context = self.target.max_context - session.seq_len
+        context = self.max_context - session.seq_len
         if k >= context:
             raise InvalidRequestError(f"{k} draft tokens do not fit in the remaining context of {context}")
         draft = torch.tensor(call.draft_token_ids, dtype=torch.long)  # [k]

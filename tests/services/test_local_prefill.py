@@ -103,18 +103,14 @@ def test_a_first_step_takes_no_drafts_and_the_opening_is_one_or_the_other(tiny):
 def test_transformers_forward_takes_a_first_step_too(tiny):
     """The generic runner (transformers' forward: every model on a GPU) computes a prefilling session's rows with
     the others' in one verify_batch and gives the same verdicts as the compact forward."""
-    from services.runner import ModelRunner
-
     target, _ = tiny
     cached = PrefillEngine(target, prefix_cache_bytes=2**20)
     cached.prefill(PROMPTS[0][:-2] + [90, 91], SamplingParams())
     handed = cached.prefill(PROMPTS[0], SamplingParams(), local_tokens=2)
     full = PrefillEngine(target).prefill(PROMPTS[1], SamplingParams())
     verdicts = []
-    for runner in (None, ModelRunner(target)):
-        engine = VerifyEngine(target)
-        if runner is not None:
-            engine.runner = runner
+    for fast in (True, False):
+        engine = VerifyEngine(target, fast=fast)
         engine.open("rest", handed.payload, None, SamplingParams(), prompt_rest=handed.prompt_rest)
         engine.open("other", full.payload, full.first_token, SamplingParams())
         verdicts.append(engine.verify_batch([VerifyCall("rest", [], prompt_rows=1), VerifyCall("other", [4, 5])]))

@@ -171,12 +171,9 @@ def test_verify_refuses_a_tree_for_a_sampled_session(tiny, tiny_engines):
 def test_a_forward_without_trees_verifies_the_chain(tiny, tiny_engines):
     """transformers' forward (the GPU path) takes no tree mask: greedy requests with trees still get the target's
     tokens, each tree verified as its chain."""
-    from services.runner import ModelRunner
-
     target, _ = tiny
     prefill, draft, _ = tiny_engines
-    verify = VerifyEngine(target)
-    verify.runner = ModelRunner(target)
+    verify = VerifyEngine(target, fast=False)
     assert not verify.runner.supports_trees
     for prompt in PROMPTS[:3]:
         result = generate(prefill, draft, verify, prompt, max_new_tokens=32, num_draft_tokens=2,
