@@ -4,8 +4,13 @@ No Ray, no gRPC: only services/ with torch and transformers, so that it runs
 on a bare GPU machine. On the chosen device (default cuda; skipped with a
 message, exit 0, where torch sees no GPU):
 
-1. tiny pair: greedy speculative output (draft model k = 1 and 3, speculation
-   off) is token-identical to transformers' ``generate`` on the same device;
+0. batch invariance, float32 and bfloat16: the verifier's logits for a block
+   of tokens are the same bits whether the block is scored in one pass, in
+   two, or one token at a time (what greedy exactness rests on; the plain
+   transformers' forward is measured beside it);
+1. tiny pair: greedy speculative output (draft model k = 1 and 3) is
+   token-identical to the target alone (the engine, speculation off), which
+   is compared with transformers' ``generate`` on the same device as well;
 2. KV round trip, float32 and bfloat16: device -> payload (host numpy) ->
    device, and the next logits equal those of the cache it came from;
 3. rollback, float32 and bfloat16: a cache cropped after a rejected draft
@@ -13,12 +18,14 @@ message, exit 0, where torch sees no GPU):
 4. sampled chi-square on the tiny pair: the first verified token follows the
    target's p when a random draft distribution q proposes it;
 5. tokens/s, target alone vs speculative (the default pair when it is
-   prepared in this machine's cache, else the tiny pair);
+   prepared in this machine's cache, else the tiny pair), each speculative
+   answer identical to speculation off;
 6. the KV handoff of the default target's architecture (random weights: the
    size of the KV depends on the shape alone): export (device -> host numpy,
    what prefill puts in the object store), import (host -> device, what the
    verifier does), and a device-to-device copy of the same tensors, the
-   floor of a GPU-native transport.
+   floor of a GPU-native transport; and the verifier's import into its
+   static buffer (services.batch_invariant).
 
 Exit code 0 when every check passes (or the device is absent), 1 otherwise.
 """
@@ -58,7 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cuda":
         report["gpu"] = torch.cuda.get_device_name(device)
     print(f"splitspec engine check on {report.get('gpu', device)} (torch {torch.__version__})", flush=True)
-    checks = [("greedy identity (tiny pair)", _greedy_identity), ("KV round trip", _kv_round_trip),
+    checks = [("batch invariance", _batch_invariance), ("greedy identity (tiny pair)", _greedy_identity),
+              ("KV round trip", _kv_round_trip),
               ("rollback", _rollback), ("sampled chi-square (tiny pair)", lambda d: _chi_square(d, args.draws)),
               ("tokens/s", lambda d: _speed(d, args.dtype, args.pair)), ("KV handoff", _handoff)]
     failed = 0
@@ -102,22 +110,59 @@ def _reference(model, prompt: list[int], n: int) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
+BLOCK = [31, 37, 41, 43, 47]  # tokens scored after TINY_PROMPTS[0], in passes of several sizes
+SPLITS = ([5], [2, 3], [4, 1])
+
+
+def _block_logits(runner, splits: list[int]) -> torch.Tensor:  # [len(BLOCK), V]
+    cache = runner.new_cache()
+    runner.forward(torch.tensor(TINY_PROMPTS[0]), cache)
+    out, at = [], 0
+    for n in splits:
+        out.append(runner.forward(torch.tensor(BLOCK[at : at + n]), cache))
+        at += n
+    return torch.cat(out)
+
+
+def _batch_invariance(device) -> str:
+    from services.runner import ModelRunner
+    from services.verify import VerifyEngine
+
+    found = []
+    for dtype in KV_DTYPES:
+        target, _ = _tiny(device, dtype)
+        runner = VerifyEngine(target).runner
+        steps = _block_logits(runner, [1] * len(BLOCK))
+        for splits in SPLITS:
+            got = _block_logits(runner, splits)
+            assert torch.equal(got, steps), (f"{dtype}, {type(runner).__name__}: passes of {splits} differ from one-row "
+                                             f"steps by {float((got - steps).abs().max()):.3g}")
+        plain = ModelRunner(target)
+        drift = max(float((_block_logits(plain, s) - _block_logits(plain, [1] * len(BLOCK))).abs().max()) for s in SPLITS)
+        found.append(f"{dtype}: {type(runner).__name__} equal bits (plain transformers' forward: rows differ by "
+                     f"up to {drift:.3g})")
+    return f"a {len(BLOCK)}-token block in passes of {', '.join(map(str, SPLITS))} vs one row at a time; " + "; ".join(found)
+
+
 def _greedy_identity(device) -> str:
     from services.loop import generate
     from services.sampling import SamplingParams
 
     target, draft = _tiny(device)
     prefill, drafts, verify = _engines(target, draft)
-    accepted = 0
+    accepted, agree = 0, 0
     for prompt in TINY_PROMPTS:
-        expected = _reference(target.model, prompt, NEW_TOKENS)
-        for k, engine in ((1, drafts), (3, drafts), (1, None)):
-            result = generate(prefill, engine, verify, prompt, max_new_tokens=NEW_TOKENS, num_draft_tokens=k,
+        alone = generate(prefill, None, verify, prompt, max_new_tokens=NEW_TOKENS, num_draft_tokens=1,
+                         params=SamplingParams()).token_ids
+        for k in (1, 3):
+            result = generate(prefill, drafts, verify, prompt, max_new_tokens=NEW_TOKENS, num_draft_tokens=k,
                               params=SamplingParams())
-            assert result.token_ids == expected, f"prompt {prompt}, k={k if engine else 'off'}: {result.token_ids[:8]}... != {expected[:8]}..."
+            assert result.token_ids == alone, f"prompt {prompt}, k={k}: {result.token_ids[:8]}... != {alone[:8]}..."
             accepted += result.stats.accepted
+        agree += alone == _reference(target.model, prompt, NEW_TOKENS)
     assert accepted > 0, "no draft token was accepted"
-    return f"{len(TINY_PROMPTS)} prompts x (k=1, k=3, off) identical to generate(); {accepted} drafts accepted"
+    return (f"{len(TINY_PROMPTS)} prompts x (k=1, k=3) identical to the target alone; {accepted} drafts accepted; "
+            f"the target alone equals generate() on {agree} of {len(TINY_PROMPTS)}")
 
 
 def _kv_round_trip(device) -> str:
@@ -126,18 +171,20 @@ def _kv_round_trip(device) -> str:
     sizes = []
     for dtype in KV_DTYPES:
         target, _ = _tiny(device, dtype)
-        runner = make_runner(target)
-        prompt = TINY_PROMPTS[2]
-        cache = runner.new_cache()
-        runner.forward(torch.tensor(prompt), cache)
-        payload = cache.export(target.fingerprint)
-        assert payload.dtype == dtype, f"a {dtype} cache was exported as {payload.dtype}"
-        imported = runner.import_payload(payload)
-        nxt = torch.tensor([7])
-        a, b = runner.forward(nxt, cache), runner.forward(nxt, imported)
-        assert torch.equal(a, b), f"{dtype}: logits differ by {float((a - b).abs().max()):.3g} after the round trip"
+        # the prefill's runner and the verifier's (its KV in a static buffer)
+        for runner in (make_runner(target), make_runner(target, batch_invariant=True)):
+            prompt = TINY_PROMPTS[2]
+            cache = runner.new_cache()
+            runner.forward(torch.tensor(prompt), cache)
+            payload = cache.export(target.fingerprint)
+            assert payload.dtype == dtype, f"a {dtype} cache was exported as {payload.dtype}"
+            imported = runner.import_payload(payload)
+            nxt = torch.tensor([7])
+            a, b = runner.forward(nxt, cache), runner.forward(nxt, imported)
+            assert torch.equal(a, b), (f"{dtype}, {type(runner).__name__}: logits differ by "
+                                       f"{float((a - b).abs().max()):.3g} after the round trip")
         sizes.append(f"{payload.nbytes} B of {dtype}")
-    return f"KV out to the host and back ({', '.join(sizes)}); next logits equal"
+    return f"KV out to the host and back ({', '.join(sizes)}), prefill's and verifier's runners; next logits equal"
 
 
 def _rollback(device) -> str:
@@ -146,21 +193,24 @@ def _rollback(device) -> str:
     worst = {}
     for dtype in KV_DTYPES:
         target, _ = _tiny(device, dtype)
-        runner = make_runner(target)
-        prompt, accepted, rejected = TINY_PROMPTS[0], [12, 13], [14, 15, 16]
-        cache = runner.new_cache()
-        runner.forward(torch.tensor(prompt + accepted + rejected), cache)
-        cache.crop(len(prompt) + len(accepted))
-        fresh = runner.new_cache()
-        runner.forward(torch.tensor(prompt + accepted), fresh)
-        a, b = runner.forward(torch.tensor([17]), cache), runner.forward(torch.tensor([17]), fresh)
-        # the cropped KV was computed in a longer chunk than the fresh one: equal up to the dtype's rounding
-        rel = float((a - b).abs().max() / a.abs().max())
-        assert rel <= ROLLBACK_TOLERANCE[dtype], f"{dtype}: logits differ by {rel:.3g} of their largest"
-        assert torch.equal(a.argmax(-1), b.argmax(-1)), f"{dtype}: the argmax moved after the rollback"
-        worst[dtype] = rel
+        for runner in (make_runner(target), make_runner(target, batch_invariant=True)):
+            prompt, accepted, rejected = TINY_PROMPTS[0], [12, 13], [14, 15, 16]
+            cache = runner.new_cache()
+            runner.forward(torch.tensor(prompt + accepted + rejected), cache)
+            cache.crop(len(prompt) + len(accepted))
+            fresh = runner.new_cache()
+            runner.forward(torch.tensor(prompt + accepted), fresh)
+            a, b = runner.forward(torch.tensor([17]), cache), runner.forward(torch.tensor([17]), fresh)
+            name = f"{dtype}, {type(runner).__name__}"
+            if getattr(runner, "rows", 0) > len(prompt + accepted + rejected):  # both chunks were padded to one shape
+                assert torch.equal(a, b), f"{name}: logits differ by {float((a - b).abs().max()):.3g} after the rollback"
+            # otherwise the cropped KV was computed in a longer chunk than the fresh one: equal up to the rounding
+            rel = float((a - b).abs().max() / a.abs().max())
+            assert rel <= ROLLBACK_TOLERANCE[dtype], f"{name}: logits differ by {rel:.3g} of their largest"
+            assert torch.equal(a.argmax(-1), b.argmax(-1)), f"{name}: the argmax moved after the rollback"
+            worst[name] = rel
     return ("a cache cropped after rejected drafts gives the logits of a fresh forward ("
-            + ", ".join(f"{dtype}: within {rel:.1g} of the largest" for dtype, rel in worst.items()) + ")")
+            + ", ".join(f"{name}: within {rel:.1g} of the largest" for name, rel in worst.items()) + ")")
 
 
 def _chi_square(device, draws: int) -> str:
@@ -219,6 +269,7 @@ def _speed(device, dtype: str, pair: str) -> str:
     rates, expected = {}, None
     _reference(target.model, prompts[0], 4)  # warm up
     generate(prefill, drafts, verify, prompts[0], max_new_tokens=4, num_draft_tokens=2, params=SamplingParams())
+    answers = {}
     for name, engine, k in (("target alone (generate)", None, 0), ("speculation off", None, 1),
                             ("speculative k=2", drafts, 2), ("speculative k=4", drafts, 4)):
         outputs, start = [], time.perf_counter()
@@ -230,10 +281,15 @@ def _speed(device, dtype: str, pair: str) -> str:
                                         params=SamplingParams()).token_ids)
         _sync(device)
         rates[name] = sum(map(len, outputs)) / (time.perf_counter() - start)
-        expected = outputs if k == 0 else expected  # the first row, target alone; compared outside the timed loop
-        assert outputs == expected, f"{name}: output differs from generate() ({_first_difference(outputs, expected)})"
+        answers[name] = outputs  # compared outside the timed loop
+    expected = answers["speculation off"]  # the target alone, in the engine
+    for name in ("speculative k=2", "speculative k=4"):
+        assert answers[name] == expected, f"{name}: output differs from speculation off ({_first_difference(answers[name], expected)})"
+    generated = answers["target alone (generate)"]
+    versus = "generate() gives the same tokens" if generated == expected else \
+        f"generate() differs from the engine's target alone ({_first_difference(generated, expected)}: rounding of another kernel path)"
     base = rates["target alone (generate)"]
-    return f"{pair}: " + ", ".join(f"{name} {r:.1f} tok/s ({r / base:.2f}x)" for name, r in rates.items())
+    return f"{pair}: " + ", ".join(f"{name} {r:.1f} tok/s ({r / base:.2f}x)" for name, r in rates.items()) + f"; {versus}"
 
 
 HANDOFF_TOKENS = {"cuda": (512, 2048), "cpu": (128,)}  # prompt lengths whose KV is handed off
@@ -256,12 +312,14 @@ def _handoff(device) -> str:
     model = LlamaForCausalLM(config).to(getattr(torch, dtype))
     loaded = wrap_model(model, model_id="handoff", dtype=dtype, device=str(device))
     runner = make_runner(loaded)
+    verifier = make_runner(loaded, batch_invariant=True)  # the verifier's runner: its KV in a static buffer
     rows = []
     for n in HANDOFF_TOKENS[device.type]:
         cache = runner.new_cache()
         runner.forward(torch.randint(0, config.vocab_size, (n,)), cache, last_only=True)
         payload = cache.export(loaded.fingerprint)
-        timings = {"export": lambda: cache.export(loaded.fingerprint), "import": lambda: runner.import_payload(payload)}
+        timings = {"export": lambda: cache.export(loaded.fingerprint), "import": lambda: runner.import_payload(payload),
+                   "verifier import": lambda: verifier.import_payload(payload)}
         if device.type == "cuda":
             kv = [t for layer in cache.cache.layers for t in (layer.keys, layer.values)]
             timings["device copy"] = lambda: [t.clone() for t in kv]

@@ -36,6 +36,8 @@ def test_shipped_configs_validate(name):
     {"stages": {"draft": {"dtype": "int4"}}},
     {"limits": {"request_timeout_s": 60, "session_idle_s": 60}},  # a live request's sessions could be closed
     {"speculation": {"verify_driven": True}},  # it asks the draft stage: needs colocate_drafter off
+    {"stages": {"prefill": {"kv_capacity": 1024}}},  # only the verify stage holds sessions
+    {"stages": {"verify": {"kv_capacity": -1}}},
 ])
 def test_bad_config_is_refused(bad):
     with pytest.raises(ValidationError):
@@ -50,6 +52,12 @@ def test_gpu_stage_options():
     assert config.stage_dtype("verify") == "bfloat16" and config.stage_dtype("draft") == "float32"
     assert actor_options(config.stage("verify").placement)["num_gpus"] == 1
     assert "num_gpus" not in actor_options(config.stage("draft").placement)
+
+
+def test_kv_capacity_bounds_the_context():
+    assert AppConfig().context_limit(8192) == 8192  # 0: the target's context
+    config = AppConfig.model_validate({"stages": {"verify": {"kv_capacity": 2048}}})
+    assert config.context_limit(8192) == 2048 and config.context_limit(512) == 512
 
 
 @pytest.mark.parametrize("access_log", [False, True])

@@ -22,6 +22,7 @@ BAD = [
     (dict(prompt="hi", messages=[("user", "hi")]), "not both"),
     (dict(messages=[("wizard", "hi")]), "role"),
     (dict(prompt="hello " * 9000), "shorten the prompt"),
+    (dict(prompt="hello " * 5000), "context is 4096: shorten the prompt"),  # the target's 8192, the verifier's capacity
     (dict(prompt="hi", max_new_tokens=100_000), "limit"),
     (dict(prompt="hi", max_new_tokens=0), "max_new_tokens must be a positive integer"),
     (dict(prompt="hi", temperature=-0.5), "temperature must be >= 0"),
@@ -49,7 +50,7 @@ REQUEST_TIMEOUT_S = 10  # the server's deadline here (limits.request_timeout_s);
 @pytest.fixture(scope="module")
 def client():
     config = make_config(limits={"max_ongoing_requests": 1, "max_queued_requests": 1, "request_timeout_s": REQUEST_TIMEOUT_S},
-                         faults={"enabled": True})
+                         faults={"enabled": True}, stages={"verify": {"kv_capacity": 4096}})
     with serving(config) as client:  # (direct ingress, as `splitspec serve` runs it: tests/serving/test_apps.py has the proxy)
         yield client
 
