@@ -44,6 +44,7 @@ from services.runner import ModelRunner
 from services.validation import MAX_DRAFT_TOKENS
 
 PASS_ROWS = MAX_DRAFT_TOKENS + 1  # the longest verify block: pending + k drafts; every shorter chunk is padded to it
+CAPACITY_ALIGN = 64  # positions: a static buffer's size is a multiple of this
 
 
 def supports(config) -> bool:
@@ -112,8 +113,10 @@ class BatchInvariantRunner(ModelRunner):
         if not supports(loaded.config):
             raise ValueError(f"{loaded.model_id}: its attention layers do not fit a static KV buffer")
         self.rows = rows
-        # room for the last pass's padding past the model's context
-        self.capacity = (capacity or loaded.max_context) + rows
+        self.max_positions = capacity or loaded.max_context  # the longest sequence a session holds
+        # room for the last pass's padding past it, rounded up to a multiple of CAPACITY_ALIGN (SDPA's fused kernels
+        # want the mask's rows aligned)
+        self.capacity = -(-(self.max_positions + rows) // CAPACITY_ALIGN) * CAPACITY_ALIGN
 
     def new_cache(self) -> StaticKVCache:
         return StaticKVCache(self.model.config, self.capacity, self.model.dtype, self.device)
@@ -131,9 +134,9 @@ class BatchInvariantRunner(ModelRunner):
         return cache
 
     def _check_room(self, start: int, n: int) -> None:
-        if start + max(n, self.rows) > self.capacity:
+        if start + n > self.max_positions:
             raise InvalidRequestError(f"{start + n} positions do not fit this verifier's KV capacity of "
-                                      f"{self.capacity - self.rows} (kv_capacity)")
+                                      f"{self.max_positions} (kv_capacity)")
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, cache: StaticKVCache, *, last_only: bool = False,
