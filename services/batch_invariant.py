@@ -11,8 +11,9 @@ keys (cuBLAS / MKL choose tiles and split-K by shape; SDPA splits the keys by
 their count), and so does their order of summation.
 
 ``BatchInvariantRunner`` gives every decode forward one shape, whatever its
-rows (the approach of gpt-fast's static cache and of vLLM's batch-invariant
-mode, here without custom kernels):
+rows, as gpt-fast's static cache gives its decode steps (vLLM's
+``VLLM_BATCH_INVARIANT=1`` gets there with Triton kernels whose order of
+summation ignores the batch; this needs no kernels of its own):
 
 - rows: a chunk of up to ``rows`` tokens (a verify block, a step, a short
   prompt rest) is padded to ``rows`` with copies of its last token; the
