@@ -4,7 +4,8 @@ No Ray, no gRPC: only services/ with torch and transformers, so that it runs
 on a bare GPU machine. On the chosen device (default cuda; skipped with a
 message, exit 0, where torch sees no GPU):
 
-0. batch invariance, float32 and bfloat16: the verifier's logits for a block
+0. batch invariance, float32 and bfloat16, the tiny pair's target and the
+   default target's shape (random weights): the verifier's logits for a block
    of tokens are the same bits whether the block is scored in one pass, in
    two, or one token at a time (what greedy exactness rests on; the plain
    transformers' forward is measured beside it);
@@ -129,17 +130,19 @@ def _batch_invariance(device) -> str:
     from services.verify import VerifyEngine
 
     found = []
-    for dtype in KV_DTYPES:
-        target, _ = _tiny(device, dtype)
+    models = [(f"tiny {dtype}", lambda dtype=dtype: _tiny(device, dtype)[0]) for dtype in KV_DTYPES]
+    models += [(f"default shape {dtype}", lambda dtype=dtype: _default_shape(device, dtype)) for dtype in KV_DTYPES]
+    for name, load in models:
+        target = load()
         runner = VerifyEngine(target).runner
         steps = _block_logits(runner, [1] * len(BLOCK))
         for splits in SPLITS:
             got = _block_logits(runner, splits)
-            assert torch.equal(got, steps), (f"{dtype}, {type(runner).__name__}: passes of {splits} differ from one-row "
+            assert torch.equal(got, steps), (f"{name}, {type(runner).__name__}: passes of {splits} differ from one-row "
                                              f"steps by {float((got - steps).abs().max()):.3g}")
         plain = ModelRunner(target)
         drift = max(float((_block_logits(plain, s) - _block_logits(plain, [1] * len(BLOCK))).abs().max()) for s in SPLITS)
-        found.append(f"{dtype}: {type(runner).__name__} equal bits (plain transformers' forward: rows differ by "
+        found.append(f"{name}: {type(runner).__name__} equal bits (plain transformers' forward: rows differ by "
                      f"up to {drift:.3g})")
     return f"a {len(BLOCK)}-token block in passes of {', '.join(map(str, SPLITS))} vs one row at a time; " + "; ".join(found)
 
@@ -297,20 +300,11 @@ HANDOFF_REPEATS = 5
 
 
 def _handoff(device) -> str:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from services.loading import config_of, wrap_model
-    from services.models import default_pair
     from services.runner import make_runner
 
     dtype = "bfloat16" if device.type == "cuda" else "float32"
-    prepared = (default_pair.target_dir() / "config.json").is_file()
-    config = config_of(default_pair.target_dir()) if prepared else LlamaConfig(  # SmolLM2-135M's shape
-        vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-        num_key_value_heads=3, max_position_embeddings=8192, tie_word_embeddings=True)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config).to(getattr(torch, dtype))
-    loaded = wrap_model(model, model_id="handoff", dtype=dtype, device=str(device))
+    loaded = _default_shape(device, dtype)
+    config = loaded.config
     runner = make_runner(loaded)
     verifier = make_runner(loaded, batch_invariant=True)  # the verifier's runner: its KV in a static buffer
     rows = []
@@ -335,6 +329,22 @@ def _handoff(device) -> str:
         mb = payload.nbytes / 1e6
         rows.append(f"{n} tokens, {mb:.1f} MB: " + ", ".join(f"{k} {v:.2f} ms ({mb / v:.1f} GB/s)" for k, v in ms.items()))
     return f"{dtype}; " + "; ".join(rows)
+
+
+def _default_shape(device, dtype: str):
+    """The default target's architecture with random weights (its shapes are what the kernels see)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from services.loading import config_of, wrap_model
+    from services.models import default_pair
+
+    prepared = (default_pair.target_dir() / "config.json").is_file()
+    config = config_of(default_pair.target_dir()) if prepared else LlamaConfig(  # SmolLM2-135M's shape
+        vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+        num_key_value_heads=3, max_position_embeddings=8192, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).to(getattr(torch, dtype)).eval()
+    return wrap_model(model, model_id=f"default-shape-{dtype}", dtype=dtype, device=str(device))
 
 
 def _sync(device) -> None:
