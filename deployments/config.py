@@ -78,6 +78,11 @@ class StageConfig(_Strict):
         "buffer of this many positions and every pass attends over all of them (services.batch_invariant): lower "
         "it for long-context models to save memory and attention time",
     )
+    pass_slots: int = Field(
+        0, ge=0, le=64, description="verify only, where the verifier runs transformers' forward (GPU stages): sessions "
+        "one pass takes; every pass has this many slots of 17 rows (empty ones padded), so that a session's logits "
+        "do not depend on who shares its pass (services.batch_invariant). 0 = 8 on cuda, 1 on the CPU",
+    )
 
 
 class SpeculationDefaults(_Strict):
@@ -266,9 +271,10 @@ class AppConfig(_Strict):
             if kind == "cuda" and stage.placement.num_gpus <= 0:
                 raise ValueError(f"stages.{name}.device is {stage.device!r}: set stages.{name}.placement.num_gpus "
                                  "(e.g. 1) so that Ray gives its replicas a GPU")
-            if stage.kv_capacity and name != "verify":
-                raise ValueError(f"stages.{name}.kv_capacity: only the verify stage holds sessions' KV (set "
-                                 "stages.verify.kv_capacity)")
+            for option in ("kv_capacity", "pass_slots"):
+                if getattr(stage, option) and name != "verify":
+                    raise ValueError(f"stages.{name}.{option}: only the verify stage holds sessions' KV (set "
+                                     f"stages.verify.{option})")
         if self.stage_dtype("prefill") != self.stage_dtype("verify"):
             raise ValueError(f"stages.prefill and stages.verify must use one dtype (the KV passes between them), got "
                              f"{self.stage_dtype('prefill')!r} and {self.stage_dtype('verify')!r}")

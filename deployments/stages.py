@@ -376,7 +376,8 @@ class Verify(_Stage):
         target = load_target(self.config, self.stage)
         self.engine = VerifyEngine(target, max_sessions=self.config.limits.max_sessions,
                                    max_kv_bytes=self.config.limits.max_kv_bytes,
-                                   kv_capacity=self.config.stages.verify.kv_capacity or None)
+                                   kv_capacity=self.config.stages.verify.kv_capacity or None,
+                                   pass_slots=self.config.stages.verify.pass_slots or None)
         warm_up(self.engine.runner)
         self._decoding: set[str] = set()  # sessions decoding as a stream (``decode``) until they close
         self._ahead: dict[str, _Steps] = {}  # steps started by ``open``, before their ``decode`` call takes them

@@ -64,8 +64,8 @@ def kv_shape(config) -> tuple[int, int, int]:  # (layers, kv_heads, head_dim)
 class StaticKVCache:
     """KV of one sequence at fixed positions of one buffer [layers, 2, kv_heads, capacity, head_dim].
 
-    To transformers' forward it is a cache (``update`` writes the pass's K/V at its positions and returns the whole
-    buffer); positions past ``seq_len`` hold stale K/V that the mask hides. ``crop`` moves the length.
+    Positions past ``seq_len`` hold stale K/V (rejected drafts, padding) that the mask hides and the next tokens
+    overwrite; ``crop`` moves the length.
     """
 
     def __init__(self, config, capacity: int, dtype: torch.dtype, device: torch.device | str = "cpu"):
@@ -73,7 +73,6 @@ class StaticKVCache:
         # zeros, not empty: masked positions are multiplied by 0 in attention, which must not meet inf or nan
         self.buffer = torch.zeros(layers, 2, kv_heads, capacity, head_dim, dtype=dtype, device=device)
         self.seq_len = 0
-        self.start = 0  # where the running pass writes its first row
 
     @property
     def capacity(self) -> int:
@@ -89,16 +88,6 @@ class StaticKVCache:
             raise ValueError(f"cannot crop a cache of {self.seq_len} positions to {length}")
         self.seq_len = length
 
-    # transformers' Cache, as far as a forward with explicit positions and a 4D mask uses it
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        n = key_states.shape[-2]  # key_states: [1, kv_heads, n, head_dim]
-        self.buffer[layer_idx, 0, :, self.start : self.start + n] = key_states[0]
-        self.buffer[layer_idx, 1, :, self.start : self.start + n] = value_states[0]
-        return self.buffer[layer_idx, 0][None], self.buffer[layer_idx, 1][None]  # 2 x [1, kv_heads, capacity, head_dim]
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self.start
-
     def export(self, fingerprint: str) -> KVPayload:
         view = self.buffer[:, :, :, : self.seq_len]  # [layers, 2, kv_heads, seq_len, head_dim]
         return KVPayload(keys=[to_numpy(layer[0]) for layer in view], values=[to_numpy(layer[1]) for layer in view],
@@ -106,18 +95,47 @@ class StaticKVCache:
                          dtype=str(self.buffer.dtype).removeprefix("torch."))
 
 
-class BatchInvariantRunner(ModelRunner):
-    """transformers' forward over ``StaticKVCache``s, every chunk of up to ``rows`` tokens padded to ``rows``."""
+class _Slots:
+    """One pass's caches as transformers' forward sees a cache: batch row b writes its K/V into ``caches[b]`` from
+    ``starts[b]`` on, and every row attends over its whole buffer (the mask picks its positions)."""
 
-    def __init__(self, loaded, *, capacity: int | None = None, rows: int = PASS_ROWS):
+    def __init__(self, caches: list[StaticKVCache], starts: list[int]):
+        self.caches, self.starts = caches, starts
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        n = key_states.shape[-2]  # key_states: [slots, kv_heads, n, head_dim]
+        for b, (cache, start) in enumerate(zip(self.caches, self.starts)):
+            cache.buffer[layer_idx, 0, :, start : start + n] = key_states[b]
+            cache.buffer[layer_idx, 1, :, start : start + n] = value_states[b]
+        if len(self.caches) == 1:  # a view, no copy
+            return self.caches[0].buffer[layer_idx, 0][None], self.caches[0].buffer[layer_idx, 1][None]
+        return (torch.stack([c.buffer[layer_idx, 0] for c in self.caches]),  # [slots, kv_heads, capacity, head_dim]
+                torch.stack([c.buffer[layer_idx, 1] for c in self.caches]))
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.starts[0]
+
+
+class BatchInvariantRunner(ModelRunner):
+    """transformers' forward over ``StaticKVCache``s: chunks of up to ``rows`` tokens run in passes of ``slots``
+    sequences x ``rows`` rows (sequences and rows padded), so every such pass has one shape.
+
+    ``slots`` > 1 (a GPU verifier under load): concurrent sessions share a pass, each weight read once for all
+    of them, and a session's logits are the same bits whether its slot's neighbours are sessions or padding.
+    """
+
+    def __init__(self, loaded, *, capacity: int | None = None, rows: int = PASS_ROWS, slots: int = 1):
         super().__init__(loaded)
         if not supports(loaded.config):
             raise ValueError(f"{loaded.model_id}: its attention layers do not fit a static KV buffer")
-        self.rows = rows
+        if slots < 1:
+            raise ValueError(f"a pass has at least one slot, got {slots}")
+        self.rows, self.slots = rows, slots
         self.max_positions = capacity or loaded.max_context  # the longest sequence a session holds
         # room for the last pass's padding past it, rounded up to a multiple of CAPACITY_ALIGN (SDPA's fused kernels
         # want the mask's rows aligned)
         self.capacity = -(-(self.max_positions + rows) // CAPACITY_ALIGN) * CAPACITY_ALIGN
+        self._spare: StaticKVCache | None = None  # what empty slots write to and read
 
     def new_cache(self) -> StaticKVCache:
         return StaticKVCache(self.model.config, self.capacity, self.model.dtype, self.device)
@@ -139,32 +157,72 @@ class BatchInvariantRunner(ModelRunner):
             raise InvalidRequestError(f"{start + n} positions do not fit this verifier's KV capacity of "
                                       f"{self.max_positions} (kv_capacity)")
 
-    @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, cache: StaticKVCache, *, last_only: bool = False,
                 return_features: bool = False):
-        """As ``ModelRunner.forward``; a chunk of up to ``rows`` tokens runs as a pass of exactly ``rows``."""
-        n, start = input_ids.shape[0], cache.seq_len
-        self._check_room(start, n)
-        padded = max(n, self.rows)
-        ids = input_ids.to(self.device)
-        if padded > n:
-            ids = torch.cat([ids, ids[-1:].expand(padded - n)])  # [rows]
-        positions = torch.arange(start, start + padded, device=self.device)  # [rows]
-        visible = torch.arange(self.capacity, device=self.device)[None] <= positions[:, None]  # [rows, capacity]
+        """As ``ModelRunner.forward``; a chunk of up to ``rows`` tokens runs in a pass of ``slots`` x ``rows``."""
+        ((logits, features),) = self._run([(input_ids, cache)], [last_only], return_features)
+        return (logits, features) if return_features else logits
+
+    def forward_batch(self, chunks, *, last_only=False, greedy=None):
+        """As ``ModelRunner.forward_batch``: short chunks ``slots`` at a time in one pass, longer ones alone."""
+        last = last_only if isinstance(last_only, list) else [last_only] * len(chunks)
+        outs = self._run(chunks, last, features=True)
+        greedy = greedy or [False] * len(chunks)
+        return [logits.argmax(-1) if flag else logits for (logits, _), flag in zip(outs, greedy)], [f for _, f in outs]
+
+    @torch.inference_mode()
+    def _run(self, chunks: list[tuple[torch.Tensor, StaticKVCache]], last: list[bool], features: bool):
+        """Per chunk (logits [n or 1, vocab_size] float32 on the host, features [n, hidden] or None)."""
+        for ids, cache in chunks:  # before any pass writes: a chunk that does not fit fails the call alone
+            self._check_room(cache.seq_len, ids.shape[0])
+        outs: list = [None] * len(chunks)
+        short = [i for i, (ids, _) in enumerate(chunks) if ids.shape[0] <= self.rows]
+        for i, (ids, cache) in enumerate(chunks):
+            if ids.shape[0] > self.rows:  # a prompt's length: a pass of its own shape
+                outs[i] = self._pass([(ids, cache)], [last[i]], features, rows=ids.shape[0], slots=1)[0]
+        for at in range(0, len(short), self.slots):
+            group = short[at : at + self.slots]
+            done = self._pass([chunks[i] for i in group], [last[i] for i in group], features, self.rows, self.slots)
+            for i, out in zip(group, done):
+                outs[i] = out
+        return outs
+
+    def _pass(self, chunks, last: list[bool], features: bool, rows: int, slots: int):
+        """One forward of ``slots`` x ``rows``: chunk b in slot b (its rows padded with its last token), empty slots
+        on a spare buffer."""
+        ids = torch.zeros(slots, rows, dtype=torch.long)  # [slots, rows]
+        caches, starts = [], []
+        for b in range(slots):
+            if b < len(chunks):
+                chunk, cache = chunks[b]
+                n = chunk.shape[0]
+                ids[b, :n], ids[b, n:] = chunk, chunk[-1]
+                caches.append(cache)
+                starts.append(cache.seq_len)
+            else:
+                self._spare = self._spare or self.new_cache()
+                caches.append(self._spare)
+                starts.append(0)
+        positions = (torch.tensor(starts)[:, None] + torch.arange(rows)[None]).to(self.device)  # [slots, rows]
+        visible = torch.arange(self.capacity, device=self.device)[None, None] <= positions[:, :, None]  # [slots, rows, capacity]
         mask = torch.zeros(visible.shape, dtype=self.model.dtype, device=self.device)
         mask.masked_fill_(~visible, torch.finfo(self.model.dtype).min)  # additive: eager and SDPA both take it
-        cache.start = start
+        # a padded pass computes every row's logits (one shape); a prompt's pass only its last row's if that is all
+        last_row_only = rows > self.rows and last[0]
         out = self.model(
-            input_ids=ids[None],
-            attention_mask=mask[None, None],  # [1, 1, rows, capacity]: used as it is
-            position_ids=positions[None],
-            **{self._cache_kwarg: cache},
+            input_ids=ids.to(self.device),
+            attention_mask=mask[:, None],  # [slots, 1, rows, capacity]: used as it is
+            position_ids=positions,
+            **{self._cache_kwarg: _Slots(caches, starts)},
             use_cache=True,
-            # a padded pass computes every row's logits (one shape); a prompt only its last row's
-            logits_to_keep=1 if last_only and padded == n else 0,
-            output_hidden_states=return_features,
+            logits_to_keep=1 if last_row_only else 0,
+            output_hidden_states=features,
         )
-        cache.seq_len = start + n
-        logits = out.logits[0, :n][-1:] if last_only and padded > n else out.logits[0, :n]
-        logits = logits.float().cpu()  # [n or 1, vocab_size] on the host, for the sampler
-        return (logits, out.hidden_states[-1][0, :n].cpu()) if return_features else logits
+        results = []
+        for b, ((chunk, cache), only_last) in enumerate(zip(chunks, last)):
+            n = chunk.shape[0]
+            cache.seq_len = starts[b] + n
+            logits = out.logits[b] if last_row_only else out.logits[b, :n]
+            logits = (logits[-1:] if only_last else logits).float().cpu()  # [n or 1, vocab_size], for the sampler
+            results.append((logits, out.hidden_states[-1][b, :n].cpu() if features else None))
+        return results

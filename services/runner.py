@@ -96,15 +96,16 @@ def cache_kwarg(model) -> str:
 
 def make_runner(loaded: LoadedModel, *, fast: bool = True, kept_ids: torch.Tensor | None = None,
                 weight_storage: torch.dtype | None = None, batch_invariant: bool = False,
-                kv_capacity: int | None = None):
+                kv_capacity: int | None = None, pass_slots: int = 1):
     """The fastest runner that supports ``loaded`` (``fast=False`` forces transformers' forward).
 
     ``kept_ids`` [N] prunes the LM head to those ids (a drafter's pruned vocabulary, services.draft_vocab):
     logits elsewhere are -inf. ``weight_storage`` (a drafter's: torch.bfloat16): the compact forward's matmul
     weights in that precision (fast_llama.Linear); transformers' forward ignores it. ``batch_invariant`` (a
     verifier's): where transformers' forward runs, it runs batch-invariant (services.batch_invariant) over static
-    KV buffers of ``kv_capacity`` positions (default: the model's context), and it replaces the compact forward where
-    that one is not batch-invariant itself (not float32, or its kernels not built: ``fast_llama.batch_invariant``).
+    KV buffers of ``kv_capacity`` positions (default: the model's context), ``pass_slots`` sessions a pass, and it
+    replaces the compact forward where that one is not batch-invariant itself (not float32, or its kernels not built:
+    ``fast_llama.batch_invariant``).
     """
     from services import batch_invariant as invariant
     from services import fast_llama
@@ -114,7 +115,7 @@ def make_runner(loaded: LoadedModel, *, fast: bool = True, kept_ids: torch.Tenso
         return fast_llama.FastLlamaRunner(loaded, kept_ids=kept_ids, weight_storage=weight_storage)
     if batch_invariant and kept_ids is None:
         if invariant.supports(loaded.config):
-            return invariant.BatchInvariantRunner(loaded, capacity=kv_capacity)
+            return invariant.BatchInvariantRunner(loaded, capacity=kv_capacity, slots=pass_slots)
         logger.warning("%s: transformers' forward is not batch-invariant for this architecture (its KV does not fit "
                        "a static buffer): greedy output may differ from the target alone where two logits nearly tie",
                        loaded.model_id)

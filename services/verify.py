@@ -18,6 +18,9 @@ from services.tree import DraftTree, chain_length
 from services.validation import MAX_DRAFT_TOKENS
 
 VERIFY_STREAM = 2  # random stream of accept/reject draws (see sampling.make_generator)
+# sessions per pass of the batch-invariant forward (services.batch_invariant): a GPU's pass costs about the same for
+# 8 x 17 rows as for 17 (bound by memory and launches); on the CPU every row costs
+DEFAULT_PASS_SLOTS = {"cuda": 8, "cpu": 1}
 
 
 @dataclass
@@ -72,12 +75,14 @@ class VerifyEngine:
     """Per-session verification of the target model."""
 
     def __init__(self, target: LoadedModel, *, max_sessions: int = DEFAULT_MAX_SESSIONS, max_kv_bytes: int = DEFAULT_MAX_KV_BYTES,
-                 kv_capacity: int | None = None, fast: bool = True):
-        """``kv_capacity``: the longest sequence a session holds (default: the target's context); ``fast=False``:
-        transformers' forward even where the compact one runs (the GPU path, on the CPU)."""
+                 kv_capacity: int | None = None, pass_slots: int | None = None, fast: bool = True):
+        """``kv_capacity``: the longest sequence a session holds (default: the target's context); ``pass_slots``:
+        sessions one pass of transformers' forward takes (default: ``DEFAULT_PASS_SLOTS`` of the target's device);
+        ``fast=False``: transformers' forward even where the compact one runs (the GPU path, on the CPU)."""
         self.target = target
         # batch-invariant: a row's logits are the same in a k + 1-row pass as in a one-row step (greedy exactness)
-        self.runner = make_runner(target, fast=fast, batch_invariant=True, kv_capacity=kv_capacity)
+        slots = pass_slots or DEFAULT_PASS_SLOTS.get(target.model.device.type, 1)
+        self.runner = make_runner(target, fast=fast, batch_invariant=True, kv_capacity=kv_capacity, pass_slots=slots)
         self.max_context = min(target.max_context, kv_capacity or target.max_context)
         self.sessions: SessionStore[VerifySession] = SessionStore(
             kind="verify", max_sessions=max_sessions, max_kv_bytes=max_kv_bytes

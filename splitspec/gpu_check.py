@@ -21,7 +21,11 @@ message, exit 0, where torch sees no GPU):
 5. tokens/s, target alone vs speculative (the default pair when it is
    prepared in this machine's cache, else the tiny pair), each speculative
    answer identical to speculation off;
-6. the KV handoff of the default target's architecture (random weights: the
+6. batched verify: concurrent sessions' verify blocks in one pass of the
+   batch-invariant verifier (its slots) against one session a pass, in
+   session-steps/s (the default target's shape on a GPU, the tiny one on the
+   CPU; bfloat16);
+7. the KV handoff of the default target's architecture (random weights: the
    size of the KV depends on the shape alone): export (device -> host numpy,
    what prefill puts in the object store), import (host -> device, what the
    verifier does), and a device-to-device copy of the same tensors, the
@@ -69,7 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     checks = [("batch invariance", _batch_invariance), ("greedy identity (tiny pair)", _greedy_identity),
               ("KV round trip", _kv_round_trip),
               ("rollback", _rollback), ("sampled chi-square (tiny pair)", lambda d: _chi_square(d, args.draws)),
-              ("tokens/s", lambda d: _speed(d, args.dtype, args.pair)), ("KV handoff", _handoff)]
+              ("tokens/s", lambda d: _speed(d, args.dtype, args.pair)), ("batched verify", _batched_verify),
+              ("KV handoff", _handoff)]
     failed = 0
     for name, check in checks:
         start = time.perf_counter()
@@ -78,6 +83,8 @@ def main(argv: list[str] | None = None) -> int:
             ok = True
         except AssertionError as exc:
             detail, ok = f"FAILED: {exc}", False
+        except Exception as exc:  # a check that breaks is reported; the others still run (one GPU run counts)
+            detail, ok = f"FAILED: {type(exc).__name__}: {exc}", False
         failed += not ok
         report["checks"][name] = {"ok": ok, "detail": detail, "seconds": round(time.perf_counter() - start, 1)}
         print(f"{'PASS' if ok else 'FAIL'} {name} ({time.perf_counter() - start:.1f}s): {detail}", flush=True)
@@ -126,6 +133,7 @@ def _block_logits(runner, splits: list[int]) -> torch.Tensor:  # [len(BLOCK), V]
 
 
 def _batch_invariance(device) -> str:
+    from services.batch_invariant import BatchInvariantRunner
     from services.runner import ModelRunner
     from services.verify import VerifyEngine
 
@@ -140,11 +148,35 @@ def _batch_invariance(device) -> str:
             got = _block_logits(runner, splits)
             assert torch.equal(got, steps), (f"{name}, {type(runner).__name__}: passes of {splits} differ from one-row "
                                              f"steps by {float((got - steps).abs().max()):.3g}")
+        shared = runner if getattr(runner, "slots", 1) > 1 else None
+        if isinstance(runner, BatchInvariantRunner) and shared is None:  # one slot by default on the CPU
+            shared = BatchInvariantRunner(target, slots=3)
+        if shared is not None:
+            _check_shared_pass(shared, name)
         plain = ModelRunner(target)
         drift = max(float((_block_logits(plain, s) - _block_logits(plain, [1] * len(BLOCK))).abs().max()) for s in SPLITS)
-        found.append(f"{name}: {type(runner).__name__} equal bits (plain transformers' forward: rows differ by "
+        slots = f", {shared.slots} sessions a pass" if shared is not None else ""
+        found.append(f"{name}: {type(runner).__name__}{slots} equal bits (plain transformers' forward: rows differ by "
                      f"up to {drift:.3g})")
-    return f"a {len(BLOCK)}-token block in passes of {', '.join(map(str, SPLITS))} vs one row at a time; " + "; ".join(found)
+    return (f"a {len(BLOCK)}-token block in passes of {', '.join(map(str, SPLITS))} vs one row at a time, and beside "
+            "other sessions in one pass; " + "; ".join(found))
+
+
+def _check_shared_pass(runner, name: str) -> None:
+    """Sessions sharing a pass (``BatchInvariantRunner`` slots) get the bits each gets beside empty slots."""
+    prompts = [TINY_PROMPTS[0], TINY_PROMPTS[1], TINY_PROMPTS[2]]
+    chunks = [torch.tensor(BLOCK), torch.tensor(BLOCK[:2]), torch.tensor(BLOCK[1:])]
+
+    def opened(prompt):
+        cache = runner.new_cache()
+        runner.forward(torch.tensor(prompt), cache)
+        return cache
+
+    alone = [runner.forward(chunk, opened(prompt)) for prompt, chunk in zip(prompts, chunks)]
+    shared, _ = runner.forward_batch([(chunk, opened(prompt)) for prompt, chunk in zip(prompts, chunks)])
+    for i, (got, want) in enumerate(zip(shared, alone)):
+        assert torch.equal(got, want), (f"{name}: session {i} in a shared pass differs from alone by "
+                                         f"{float((got - want).abs().max()):.3g}")
 
 
 def _greedy_identity(device) -> str:
@@ -293,6 +325,43 @@ def _speed(device, dtype: str, pair: str) -> str:
         f"generate() differs from the engine's target alone ({_first_difference(generated, expected)}: rounding of another kernel path)"
     base = rates["target alone (generate)"]
     return f"{pair}: " + ", ".join(f"{name} {r:.1f} tok/s ({r / base:.2f}x)" for name, r in rates.items()) + f"; {versus}"
+
+
+BATCHED_SESSIONS = {"cuda": 8, "cpu": 3}
+BATCHED_STEPS = 16
+
+
+def _batched_verify(device) -> str:
+    from services.batch_invariant import BatchInvariantRunner
+
+    cuda = device.type == "cuda"
+    target = _default_shape(device, "bfloat16") if cuda else _tiny(device, "bfloat16")[0]
+    sessions = BATCHED_SESSIONS[device.type]
+    ids = min(200, target.vocab_size)
+    prompt, block = torch.randint(1, ids, (64,)), torch.randint(1, ids, (4,))  # pending + 3 drafts
+    rates = {}
+    for slots in (1, sessions):
+        runner = BatchInvariantRunner(target, slots=slots)
+        caches = [runner.new_cache() for _ in range(sessions)]
+        for cache in caches:
+            runner.forward(prompt, cache, last_only=True)
+
+        def step():
+            runner.forward_batch([(block, cache) for cache in caches], greedy=[True] * sessions)
+            for cache in caches:
+                cache.crop(cache.seq_len - 3)  # the drafts rejected: one token a step
+
+        step()  # warm up
+        _sync(device)
+        start = time.perf_counter()
+        for _ in range(BATCHED_STEPS):
+            step()
+        _sync(device)
+        rates[slots] = BATCHED_STEPS * sessions / (time.perf_counter() - start)
+    one, shared = rates[1], rates[sessions]
+    return (f"{sessions} sessions x {BATCHED_STEPS} verify blocks of 4 rows ({target.model_id}, kv_capacity "
+            f"{target.max_context}): one session a pass {one:.0f} session-steps/s, {sessions} a pass {shared:.0f} "
+            f"({shared / one:.2f}x)")
 
 
 HANDOFF_TOKENS = {"cuda": (512, 2048), "cpu": (128,)}  # prompt lengths whose KV is handed off

@@ -27,7 +27,7 @@ def test_script_skips_without_a_gpu():
 
 def test_checks_pass_on_the_cpu(tmp_path, capsys):
     assert gpu_check.main(["--device", "cpu", "--pair", "tiny", "--draws", "600", "--json", str(tmp_path / "r.json")]) == 0
-    assert "7/7 checks passed" in capsys.readouterr().out
+    assert "8/8 checks passed" in capsys.readouterr().out
 
 
 def test_bfloat16_kv_survives_the_payload():

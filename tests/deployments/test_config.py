@@ -38,6 +38,8 @@ def test_shipped_configs_validate(name):
     {"speculation": {"verify_driven": True}},  # it asks the draft stage: needs colocate_drafter off
     {"stages": {"prefill": {"kv_capacity": 1024}}},  # only the verify stage holds sessions
     {"stages": {"verify": {"kv_capacity": -1}}},
+    {"stages": {"draft": {"pass_slots": 4}}},
+    {"stages": {"verify": {"pass_slots": 65}}},
 ])
 def test_bad_config_is_refused(bad):
     with pytest.raises(ValidationError):

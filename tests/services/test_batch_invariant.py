@@ -142,3 +142,37 @@ def test_default_pair_in_bfloat16_keeps_the_token_that_moved():
     speculative = generate(prefill, draft, verify, prompt, max_new_tokens=32, num_draft_tokens=4, params=SamplingParams())
     assert speculative.token_ids == alone.token_ids
     assert speculative.stats.accepted > 0
+
+
+def _open(runner, prompt: list[int]):
+    cache = runner.new_cache()
+    runner.forward(torch.tensor(prompt), cache)
+    return cache
+
+
+def test_sessions_sharing_a_pass_keep_their_own_bits(target):
+    """With slots, concurrent sessions' chunks share one forward; each session's logits are the bits it gets with
+    empty slots beside it, whoever its neighbours are and whichever slot it takes."""
+    runner = BatchInvariantRunner(target, capacity=128, slots=3)
+    prompts = [PROMPT.tolist(), [1, 20, 21], [1, 30, 31, 32, 33]]
+    chunks = [BLOCK, BLOCK[:2], BLOCK[1:]]
+    alone = [runner.forward(chunk, _open(runner, prompt)) for prompt, chunk in zip(prompts, chunks)]
+    for order in ([0, 1, 2], [2, 0, 1], [1, 2]):  # three sessions in one pass, in another order; two
+        caches = {i: _open(runner, prompts[i]) for i in order}
+        logits, _ = runner.forward_batch([(chunks[i], caches[i]) for i in order])
+        for i, got in zip(order, logits):
+            assert torch.equal(got, alone[i]), (order, i)
+    # more sessions than slots: two passes, the same bits; a greedy chunk gets its argmax
+    caches = [_open(runner, prompts[i % 3]) for i in range(4)]
+    ids, _ = runner.forward_batch([(chunks[i % 3], caches[i]) for i in range(4)], greedy=[True] * 4)
+    assert [i.tolist() for i in ids] == [alone[i % 3].argmax(-1).tolist() for i in range(4)]
+
+
+def test_greedy_with_slots_equals_target_alone(tiny, tiny_engines):
+    target, _ = tiny
+    prefill, draft, _ = tiny_engines
+    verify = VerifyEngine(target, fast=False, pass_slots=4)
+    assert verify.runner.slots == 4
+    for prompt in ([1, 5, 7, 9, 11], [1, 30, 31, 32, 30, 31]):
+        result = generate(prefill, draft, verify, prompt, max_new_tokens=24, num_draft_tokens=3, params=SamplingParams())
+        assert result.token_ids == greedy_reference(target.model, prompt, 24), prompt
