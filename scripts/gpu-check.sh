@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The engine on a GPU in one command (no Ray needed): greedy identity, KV round trip, rollback, a sampled
-# chi-square and tokens/s on CUDA. Prints SKIP and exits 0 where torch sees no GPU. Extra arguments go to
+# The engine on a GPU in one command (no Ray needed): batch invariance, greedy identity, KV round trip, rollback,
+# a sampled chi-square, tokens/s, batched verify and the KV handoff on CUDA. Prints SKIP and exits 0 where torch sees no GPU. Extra arguments go to
 # `python -m splitspec.gpu_check` (e.g. --device cuda:1, --pair tiny, --json results.json).
 set -euo pipefail
 cd "$(dirname "$0")/.."
