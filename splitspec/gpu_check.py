@@ -351,13 +351,7 @@ def _batched_verify(device) -> str:
             for cache in caches:
                 cache.crop(cache.seq_len - 3)  # the drafts rejected: one token a step
 
-        step()  # warm up
-        _sync(device)
-        start = time.perf_counter()
-        for _ in range(BATCHED_STEPS):
-            step()
-        _sync(device)
-        rates[slots] = BATCHED_STEPS * sessions / (time.perf_counter() - start)
+        rates[slots] = sessions / _timed(device, step, BATCHED_STEPS)
     one, shared = rates[1], rates[sessions]
     return (f"{sessions} sessions x {BATCHED_STEPS} verify blocks of 4 rows ({target.model_id}, kv_capacity "
             f"{target.max_context}): one session a pass {one:.0f} session-steps/s, {sessions} a pass {shared:.0f} "
@@ -386,15 +380,7 @@ def _handoff(device) -> str:
         if device.type == "cuda":
             kv = [t for layer in cache.cache.layers for t in (layer.keys, layer.values)]
             timings["device copy"] = lambda: [t.clone() for t in kv]
-        ms = {}
-        for name, step in timings.items():
-            step()  # warm up
-            _sync(device)
-            start = time.perf_counter()
-            for _ in range(HANDOFF_REPEATS):
-                step()
-            _sync(device)
-            ms[name] = (time.perf_counter() - start) * 1e3 / HANDOFF_REPEATS
+        ms = {name: _timed(device, step, HANDOFF_REPEATS) * 1e3 for name, step in timings.items()}
         mb = payload.nbytes / 1e6
         rows.append(f"{n} tokens, {mb:.1f} MB: " + ", ".join(f"{k} {v:.2f} ms ({mb / v:.1f} GB/s)" for k, v in ms.items()))
     return f"{dtype}; " + "; ".join(rows)
@@ -414,6 +400,17 @@ def _default_shape(device, dtype: str):
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).to(getattr(torch, dtype)).eval()
     return wrap_model(model, model_id=f"default-shape-{dtype}", dtype=dtype, device=str(device))
+
+
+def _timed(device, step, repeats: int) -> float:
+    """Seconds per call of ``step`` (after one call to warm up; the device's queue drained before and after)."""
+    step()
+    _sync(device)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        step()
+    _sync(device)
+    return (time.perf_counter() - start) / repeats
 
 
 def _sync(device) -> None:
