@@ -227,7 +227,8 @@ class SpecDecodeIngress(OpenAIRoutes):
         essential = [why for stage, why in self.unplaceable.items() if stage != "draft"]  # without a drafter: no speculation
         if essential:
             raise StageUnavailableError("; ".join(essential))
-        return api.parse(request, self.config, self.target.tokenizer, max_context=self.config.context_limit(self.target.max_context),
+        return api.parse(request, self.config, self.target.tokenizer,
+                         max_context=self.config.context_limit(self.target.max_context),  # kv_capacity bounds it too
                          vocab_size=self.target.vocab_size, drafters=self.drafters, default_drafter=self.default_drafter)
 
     async def _collect(self, plan: api.Plan, timer: api.Timer, deadline: float) -> tuple[str, list[int], str]:
