@@ -399,11 +399,14 @@ class Verify(_Stage):
     async def stats(self) -> dict:
         """``_Stage.stats``, the decode streams running now (``decoding``) and started in all (``decode_streams``),
         and the colocated drafter's open sessions and batched passes (``draft_sessions``, ``draft_passes``,
-        ``draft_largest_pass``; 0 without one)."""
+        ``draft_largest_pass``; 0 without one); the forward the target runs (``runner``: FastLlamaRunner, the
+        compact CPU one, or BatchInvariantRunner, transformers' on GPUs) and its sessions a pass (``pass_slots``)."""
         draft = {"draft_sessions": 0, "draft_passes": self.draft_passes, "draft_largest_pass": self.draft_largest_pass}
         if self.drafts is not None:
             draft["draft_sessions"] = await self._run(lambda: len(self.drafts.sessions))
-        return {**await super().stats(), "decoding": len(self._decoding), "decode_streams": self.decode_streams, **draft}
+        runner = {"runner": type(self.engine.runner).__name__, "pass_slots": getattr(self.engine.runner, "slots", None)}
+        return {**await super().stats(), "decoding": len(self._decoding), "decode_streams": self.decode_streams,
+                **draft, **runner}
 
     async def decode(self, request_id: str, max_tokens: int, stop_ids: list[int],
                      opening: tuple[KVHandoff, SamplingParams] | None = None) -> AsyncIterator[SessionOpened | VerifyResult]:

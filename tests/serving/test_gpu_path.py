@@ -1,0 +1,49 @@
+"""The GPU stages' verifier in the serving graph, on the CPU: a bfloat16 deployment verifies with the batch-invariant
+forward (services.batch_invariant; the compact forward is exact in float32 only), concurrent sessions sharing its
+passes in slots, and greedy output through gRPC is the target alone's (speculation off) token for token, one request
+at a time and several at once."""
+
+import concurrent.futures
+
+import pytest
+
+from tests.serving.conftest import MAX_NEW_TOKENS, PROMPTS, handle, make_config, serving
+
+pytestmark = pytest.mark.slow
+
+POLICIES = [dict(), dict(drafter="model", num_draft_tokens=3), dict(drafter="eagle", num_draft_tokens=2)]
+
+
+@pytest.fixture(scope="module")
+def client():
+    # no prefix cache: a repeated prompt's hit would compute its last positions in another pass shape than its first
+    # prefill did, which in bfloat16 can move a near-tie of the answer, speculating or not (README, "On GPU nodes")
+    config = make_config(models={"dtype": "bfloat16"}, stages={"verify": {"kv_capacity": 512, "pass_slots": 3}},
+                         limits={"prefix_cache_bytes": 0})
+    with serving(config) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def alone(client):
+    """Speculation off through the same service: the target alone, in bfloat16."""
+    return {p: list(client.generate(messages=[("user", p)], max_new_tokens=MAX_NEW_TOKENS, speculate=False).token_ids)
+            for p in PROMPTS[:3]}
+
+
+def test_the_verifier_is_batch_invariant(client):
+    stats = handle("Verify").stats.remote().result()
+    assert stats["runner"] == "BatchInvariantRunner" and stats["pass_slots"] == 3
+
+
+@pytest.mark.parametrize("policy", POLICIES, ids=["server default", "model-k3", "eagle-k2"])
+def test_greedy_equals_target_alone_when_sessions_share_passes(client, alone, policy):
+    def ask(prompt):
+        return list(client.generate(messages=[("user", prompt)], max_new_tokens=MAX_NEW_TOKENS, **policy).token_ids)
+
+    for prompt in alone:  # one at a time
+        assert ask(prompt) == alone[prompt], prompt
+    with concurrent.futures.ThreadPoolExecutor(len(alone)) as pool:  # at once: their steps share verify passes
+        answers = dict(zip(alone, pool.map(ask, list(alone))))
+    assert answers == alone
+    assert handle("Verify").stats.remote().result()["largest_pass"] > 1  # sessions did share a pass
