@@ -171,7 +171,8 @@ class Limits(_Strict):
         2, ge=0, description="a prompt whose prefix-cache hit leaves at most this many positions (the same prompt again: "
         "one) has them computed by its verify replica, as rows of a batched verify pass, instead of a prefill pass that "
         "reads every weight for them (conditional disaggregation, as Dynamo prefills short prompts on the decode "
-        "worker); the answer is the same. 0 = every prompt on the prefill stage",
+        "worker); the answer is a full prefill's up to float rounding (in bfloat16 a near-tie can move: README, "
+        "'On GPU nodes'). 0 = every prompt on the prefill stage",
     )
     stage_timeout_s: float = Field(120.0, gt=0, description="one stage call; slower means UNAVAILABLE")
     request_timeout_s: float = Field(600.0, gt=0, description="a whole request; longer means DEADLINE_EXCEEDED")
