@@ -21,7 +21,10 @@ summation ignores the batch; this needs no kernels of its own):
   masked out of every later pass and overwritten by the next tokens;
 - keys: the KV lives at fixed positions of a buffer of ``capacity``
   positions (``StaticKVCache``) and every pass attends over the whole buffer
-  through an explicit mask (a row sees the positions up to its own).
+  through an explicit mask (a row sees the positions up to its own);
+- sessions: ``slots`` sessions' chunks share a pass of ``slots`` x ``rows``
+  (empty slots padded on a spare buffer), each writing into and attending
+  over its own buffer, so a session's bits do not depend on its neighbours.
 
 So each matmul, norm and attention call of a decode pass has the same shape in
 every pass, and a row's result depends on its own inputs only (a kernel of a
@@ -49,11 +52,15 @@ CAPACITY_ALIGN = 64  # positions: a static buffer's size is a multiple of this
 
 
 def supports(config) -> bool:
-    """A model whose every layer attends over its full KV, one K/V per layer (no sliding window, no linear
-    attention, no shared or cross-layer KV): the static buffer holds its cache."""
+    """A model whose every layer attends over its full KV, keys and values of one head size per layer (no sliding
+    window, no linear attention, no latent / compressed KV): the static buffer holds its cache."""
     layer_types = getattr(config, "layer_types", None) or ["full_attention"]
-    return all(kind == "full_attention" for kind in layer_types) and not getattr(config, "sliding_window", None) \
-        and hasattr(config, "num_key_value_heads") and hasattr(config, "num_hidden_layers")
+    if not all(kind == "full_attention" for kind in layer_types) or getattr(config, "sliding_window", None):
+        return False
+    if not all(hasattr(config, name) for name in ("num_key_value_heads", "num_hidden_layers", "num_attention_heads")):
+        return False
+    head_dim = kv_shape(config)[2]
+    return getattr(config, "kv_lora_rank", None) is None and getattr(config, "v_head_dim", head_dim) == head_dim
 
 
 def kv_shape(config) -> tuple[int, int, int]:  # (layers, kv_heads, head_dim)

@@ -60,6 +60,25 @@ def test_make_runner_picks_it_for_a_verifier(tiny, target):
     assert isinstance(make_runner(target), fast_llama.FastLlamaRunner)  # prefill: the fastest, in any dtype
 
 
+def test_architectures_whose_kv_does_not_fit_a_static_buffer_keep_the_plain_forward(tiny, caplog):
+    """Sliding windows, latent KV (MLA): the verifier keeps transformers' forward and says it is not invariant."""
+    import copy
+
+    from services import batch_invariant
+
+    target, _ = tiny
+    assert batch_invariant.supports(target.config)
+    for change in ({"sliding_window": 64}, {"kv_lora_rank": 16}, {"v_head_dim": 8}):
+        config = copy.deepcopy(target.config)
+        for name, value in change.items():
+            setattr(config, name, value)
+        assert not batch_invariant.supports(config), change
+    windowed = copy.deepcopy(target)
+    windowed.model.config.sliding_window = 64
+    assert type(make_runner(windowed, fast=False, batch_invariant=True)) is ModelRunner
+    assert "not batch-invariant" in caplog.text
+
+
 def test_it_computes_what_transformers_computes(tiny):
     """Padding and the static buffer change the rounding only: logits close to transformers' own forward's."""
     target, _ = tiny
