@@ -181,6 +181,12 @@ def test_sessions_sharing_a_pass_keep_their_own_bits(target):
         logits, _ = runner.forward_batch([(chunks[i], caches[i]) for i in order])
         for i, got in zip(order, logits):
             assert torch.equal(got, alone[i]), (order, i)
+    # a prompt-length chunk in the same call runs in a pass of its own; the short ones keep their bits
+    long = torch.arange(1, PASS_ROWS + 4)  # [20]
+    mixed, features = runner.forward_batch([(long, runner.new_cache()), (BLOCK, _open(runner, prompts[0]))],
+                                           last_only=[True, False])
+    assert torch.equal(mixed[0], runner.forward(long, runner.new_cache(), last_only=True)) and mixed[0].shape[0] == 1
+    assert torch.equal(mixed[1], alone[0]) and features[0].shape[0] == len(long)
     # more sessions than slots: two passes, the same bits; a greedy chunk gets its argmax
     caches = [_open(runner, prompts[i % 3]) for i in range(4)]
     ids, _ = runner.forward_batch([(chunks[i % 3], caches[i]) for i in range(4)], greedy=[True] * 4)
