@@ -43,7 +43,8 @@ from __future__ import annotations
 import torch
 
 from services.errors import InvalidRequestError
-from services.kv import KVPayload, as_tensor, check_fingerprint, to_numpy
+from services.fast_llama import DenseKVCache
+from services.kv import KVPayload, check_fingerprint
 from services.runner import ModelRunner
 from services.validation import MAX_DRAFT_TOKENS
 
@@ -68,8 +69,9 @@ def kv_shape(config) -> tuple[int, int, int]:  # (layers, kv_heads, head_dim)
     return config.num_hidden_layers, config.num_key_value_heads, head_dim
 
 
-class StaticKVCache:
-    """KV of one sequence at fixed positions of one buffer [layers, 2, kv_heads, capacity, head_dim].
+class StaticKVCache(DenseKVCache):
+    """KV of one sequence at fixed positions of one buffer [layers, 2, kv_heads, capacity, head_dim] that never
+    grows (the compact forward's ``DenseKVCache``, on the model's device, zeroed).
 
     Positions past ``seq_len`` hold stale K/V (rejected drafts, padding) that the mask hides and the next tokens
     overwrite; ``crop`` moves the length.
@@ -84,22 +86,6 @@ class StaticKVCache:
     @property
     def capacity(self) -> int:
         return self.buffer.shape[3]
-
-    @property
-    def nbytes(self) -> int:
-        return self.buffer.nbytes
-
-    def crop(self, length: int) -> None:
-        """Roll back to the first ``length`` positions (rejected tokens are forgotten)."""
-        if not 0 <= length <= self.seq_len:
-            raise ValueError(f"cannot crop a cache of {self.seq_len} positions to {length}")
-        self.seq_len = length
-
-    def export(self, fingerprint: str) -> KVPayload:
-        view = self.buffer[:, :, :, : self.seq_len]  # [layers, 2, kv_heads, seq_len, head_dim]
-        return KVPayload(keys=[to_numpy(layer[0]) for layer in view], values=[to_numpy(layer[1]) for layer in view],
-                         seq_len=self.seq_len, fingerprint=fingerprint,
-                         dtype=str(self.buffer.dtype).removeprefix("torch."))
 
 
 class _Slots:
@@ -154,9 +140,7 @@ class BatchInvariantRunner(ModelRunner):
         if len(payload.keys) != cache.buffer.shape[0]:
             raise InvalidRequestError(f"KV payload has {len(payload.keys)} layers, the model has {cache.buffer.shape[0]}")
         self._check_room(n, 0)
-        cache.buffer[:, 0, :, :n] = torch.stack([as_tensor(k, payload.dtype) for k in payload.keys]).to(self.device)
-        cache.buffer[:, 1, :, :n] = torch.stack([as_tensor(v, payload.dtype) for v in payload.values]).to(self.device)
-        cache.seq_len = n
+        cache.fill(payload)
         return cache
 
     def _check_room(self, start: int, n: int) -> None:
@@ -170,12 +154,9 @@ class BatchInvariantRunner(ModelRunner):
         ((logits, features),) = self._run([(input_ids, cache)], [last_only], return_features)
         return (logits, features) if return_features else logits
 
-    def forward_batch(self, chunks, *, last_only=False, greedy=None):
-        """As ``ModelRunner.forward_batch``: short chunks ``slots`` at a time in one pass, longer ones alone."""
-        last = last_only if isinstance(last_only, list) else [last_only] * len(chunks)
-        outs = self._run(chunks, last, features=True)
-        greedy = greedy or [False] * len(chunks)
-        return [logits.argmax(-1) if flag else logits for (logits, _), flag in zip(outs, greedy)], [f for _, f in outs]
+    def _chunk_outputs(self, chunks, last: list[bool]):
+        """``forward_batch``'s passes: short chunks ``slots`` at a time in one pass, longer ones alone."""
+        return self._run(chunks, last, features=True)
 
     @torch.inference_mode()
     def _run(self, chunks: list[tuple[torch.Tensor, StaticKVCache]], last: list[bool], features: bool):

@@ -160,6 +160,15 @@ class DenseKVCache:
             grown[:, :, :, : self.seq_len] = self.buffer[:, :, :, : self.seq_len]
             self.buffer = grown
 
+    def fill(self, payload: KVPayload) -> None:
+        """Take a payload's K/V as positions 0 .. seq_len (the buffer holds at least that many)."""
+        # four torch calls (a stack and a copy for keys, the same for values), not two per layer: each call from
+        # Python may wait for the GIL, which the replica's event loop holds while it serves the other sessions' streams
+        n = payload.seq_len
+        self.buffer[:, 0, :, :n] = torch.stack([as_tensor(k, payload.dtype) for k in payload.keys]).to(self.buffer.device)  # [layers, kv_heads, n, head_dim]
+        self.buffer[:, 1, :, :n] = torch.stack([as_tensor(v, payload.dtype) for v in payload.values]).to(self.buffer.device)
+        self.seq_len = n
+
     def crop(self, length: int) -> None:
         if not 0 <= length <= self.seq_len:
             raise ValueError(f"cannot crop a cache of {self.seq_len} positions to {length}")
@@ -229,12 +238,7 @@ class FastLlamaRunner:
         check_fingerprint(payload, self.loaded.fingerprint)
         cache = self.new_cache()
         cache.reserve(payload.seq_len)
-        # four torch calls (a stack and a copy for keys, the same for values), not two per layer: each call from
-        # Python may wait for the GIL, which the replica's event loop holds while it serves the other sessions' streams
-        n = payload.seq_len
-        cache.buffer[:, 0, :, :n] = torch.stack([as_tensor(k, payload.dtype) for k in payload.keys])  # [layers, kv_heads, n, head_dim]
-        cache.buffer[:, 1, :, :n] = torch.stack([as_tensor(v, payload.dtype) for v in payload.values])
-        cache.seq_len = payload.seq_len
+        cache.fill(payload)
         return cache
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

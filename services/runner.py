@@ -83,9 +83,14 @@ class ModelRunner:
     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:  # per sequence: logits [n_i or 1, vocab_size], features [n_i, hidden]
         """Each chunk in turn (transformers' cache holds one sequence: no shared pass here, same results)."""
         last = last_only if isinstance(last_only, list) else [last_only] * len(chunks)
-        outs = [self.forward(ids, cache, last_only=flag, return_features=True) for (ids, cache), flag in zip(chunks, last, strict=True)]
+        outs = self._chunk_outputs(chunks, last)
         greedy = greedy or [False] * len(chunks)
         return [logits.argmax(-1) if flag else logits for (logits, _), flag in zip(outs, greedy)], [f for _, f in outs]
+
+    def _chunk_outputs(self, chunks, last: list[bool]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per chunk: (logits, features) of its forward, each chunk in its own pass."""
+        return [self.forward(ids, cache, last_only=flag, return_features=True)
+                for (ids, cache), flag in zip(chunks, last, strict=True)]
 
 
 def cache_kwarg(model) -> str:

@@ -81,9 +81,10 @@ class VerifyEngine:
         ``fast=False``: transformers' forward even where the compact one runs (the GPU path, on the CPU)."""
         self.target = target
         # batch-invariant: a row's logits are the same in a k + 1-row pass as in a one-row step (greedy exactness)
-        slots = pass_slots or DEFAULT_PASS_SLOTS.get(target.model.device.type, 1)
-        self.runner = make_runner(target, fast=fast, batch_invariant=True, kv_capacity=kv_capacity, pass_slots=slots)
         self.max_context = min(target.max_context, kv_capacity or target.max_context)
+        slots = pass_slots or DEFAULT_PASS_SLOTS.get(target.model.device.type, 1)
+        self.runner = make_runner(target, fast=fast, batch_invariant=True, kv_capacity=self.max_context,
+                                  pass_slots=slots)
         self.sessions: SessionStore[VerifySession] = SessionStore(
             kind="verify", max_sessions=max_sessions, max_kv_bytes=max_kv_bytes
         )
