@@ -122,9 +122,15 @@ BLOCK = [31, 37, 41, 43, 47]  # tokens scored after TINY_PROMPTS[0], in passes o
 SPLITS = ([5], [2, 3], [4, 1])
 
 
-def _block_logits(runner, splits: list[int]) -> torch.Tensor:  # [len(BLOCK), V]
+def _opened(runner, prompt: list[int]):
+    """A new cache of ``runner`` holding ``prompt``."""
     cache = runner.new_cache()
-    runner.forward(torch.tensor(TINY_PROMPTS[0]), cache)
+    runner.forward(torch.tensor(prompt), cache)
+    return cache
+
+
+def _block_logits(runner, splits: list[int]) -> torch.Tensor:  # [len(BLOCK), V]
+    cache = _opened(runner, TINY_PROMPTS[0])
     out, at = [], 0
     for n in splits:
         out.append(runner.forward(torch.tensor(BLOCK[at : at + n]), cache))
@@ -148,10 +154,9 @@ def _batch_invariance(device) -> str:
             got = _block_logits(runner, splits)
             assert torch.equal(got, steps), (f"{name}, {type(runner).__name__}: passes of {splits} differ from one-row "
                                              f"steps by {float((got - steps).abs().max()):.3g}")
-        shared = runner if getattr(runner, "slots", 1) > 1 else None
-        if isinstance(runner, BatchInvariantRunner) and shared is None:  # one slot by default on the CPU
-            shared = BatchInvariantRunner(target, slots=3)
-        if shared is not None:
+        shared = None
+        if isinstance(runner, BatchInvariantRunner):  # its own slots; three where it has one (the CPU's default)
+            shared = runner if runner.slots > 1 else BatchInvariantRunner(target, slots=3)
             _check_shared_pass(shared, name)
         plain = ModelRunner(target)
         drift = max(float((_block_logits(plain, s) - _block_logits(plain, [1] * len(BLOCK))).abs().max()) for s in SPLITS)
@@ -166,14 +171,8 @@ def _check_shared_pass(runner, name: str) -> None:
     """Sessions sharing a pass (``BatchInvariantRunner`` slots) get the bits each gets beside empty slots."""
     prompts = [TINY_PROMPTS[0], TINY_PROMPTS[1], TINY_PROMPTS[2]]
     chunks = [torch.tensor(BLOCK), torch.tensor(BLOCK[:2]), torch.tensor(BLOCK[1:])]
-
-    def opened(prompt):
-        cache = runner.new_cache()
-        runner.forward(torch.tensor(prompt), cache)
-        return cache
-
-    alone = [runner.forward(chunk, opened(prompt)) for prompt, chunk in zip(prompts, chunks)]
-    shared, _ = runner.forward_batch([(chunk, opened(prompt)) for prompt, chunk in zip(prompts, chunks)])
+    alone = [runner.forward(chunk, _opened(runner, prompt)) for prompt, chunk in zip(prompts, chunks)]
+    shared, _ = runner.forward_batch([(chunk, _opened(runner, prompt)) for prompt, chunk in zip(prompts, chunks)])
     for i, (got, want) in enumerate(zip(shared, alone)):
         assert torch.equal(got, want), (f"{name}: session {i} in a shared pass differs from alone by "
                                          f"{float((got - want).abs().max()):.3g}")

@@ -32,8 +32,7 @@ def target(request, tiny):
 
 
 def _rows(runner, splits: list[int]) -> torch.Tensor:  # BLOCK's logits, computed in passes of these sizes
-    cache = runner.new_cache()
-    runner.forward(PROMPT, cache)
+    cache = _open(runner, PROMPT.tolist())
     out, at = [], 0
     for n in splits:
         out.append(runner.forward(BLOCK[at : at + n], cache))
