@@ -387,18 +387,28 @@ def _handoff(device) -> str:
 
 def _default_shape(device, dtype: str):
     """The default target's architecture with random weights (its shapes are what the kernels see)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
-    from services.loading import config_of, wrap_model
-    from services.models import default_pair
+    from services.loading import wrap_model
 
-    prepared = (default_pair.target_dir() / "config.json").is_file()
-    config = config_of(default_pair.target_dir()) if prepared else LlamaConfig(  # SmolLM2-135M's shape
-        vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-        num_key_value_heads=3, max_position_embeddings=8192, tie_word_embeddings=True)
+    config = default_shape_config()
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).to(getattr(torch, dtype)).eval()
     return wrap_model(model, model_id=f"default-shape-{dtype}", dtype=dtype, device=str(device))
+
+
+def default_shape_config():
+    """The default target's config (SmolLM2-135M's architecture), read from the prepared pair where it is."""
+    from transformers import LlamaConfig
+
+    from services.loading import config_of
+    from services.models import default_pair
+
+    if (default_pair.target_dir() / "config.json").is_file():
+        return config_of(default_pair.target_dir())
+    return LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                       num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
+                       tie_word_embeddings=True)
 
 
 def _timed(device, step, repeats: int) -> float:

@@ -1,0 +1,278 @@
+"""splitspec served on a GPU through Ray Serve, in one command: `scripts/gpu-serve-check.sh` (`--device cpu` runs
+the same on the CPU).
+
+It builds a random-weight pair around a real tokenizer (the default target's architecture with random weights,
+its embeddings scaled so that the two best logits seldom nearly tie; a drafter made of the target's first layers,
+so that it agrees with the target part of the time), then, twice, starts `splitspec serve` on a local one-node
+Ray cluster and asks it through gRPC:
+
+1. ``configs/gpu-one.yaml`` as it is: prefill, draft and verify on the one GPU (a fraction each), bfloat16, the
+   drafter colocated in the verify replica;
+2. mixed devices: the draft stage on the CPU (float32, not colocated: every draft crosses from a CPU replica to
+   the GPU verifier), prefill and verify on the GPU.
+
+Each run passes when the service deploys; every greedy answer (draft model k = 1 and 3, the server's adaptive
+default, streamed, and four requests at once) is speculation off's token for token; a seeded sampled request
+gives the same answer twice; and `splitspec serve` stops on SIGTERM within its bound. It reports tokens/s,
+acceptance and the prefill → verify KV handoff (Timings.kv_handoff_ms). Prints SKIP and exits 0 where a cuda run
+is asked for and torch sees no GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = ROOT / "configs" / "gpu-one.yaml"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "List three primary colors.",
+           "Count from 1 to 10."]
+POLICIES = {"model k=1": dict(drafter="model", num_draft_tokens=1),
+            "model k=3": dict(drafter="model", num_draft_tokens=3),
+            "server default": dict()}
+EMBEDDING_STD = 1.0  # the tied LM head's rows: logits spread over tens, so near-ties are rare in bfloat16
+DRAFT_CPU_THREADS = 4  # the mixed run's CPU drafter beside a GPU (a GPU machine has cores to spare)
+START_TIMEOUT_S = 600
+STOP_TIMEOUT_S = 60
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m splitspec.gpu_serve_check", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: the same runs on the CPU")
+    parser.add_argument("--tokenizer", type=Path, help="a folder with the default pair's tokenizer files (default: "
+                        "the prepared default target's)")
+    parser.add_argument("--shape", choices=["default", "small"], default="",
+                        help="the target's architecture: the default target's (default on cuda) or a small one "
+                        "(default on the CPU)")
+    parser.add_argument("--runs", default="one-gpu,mixed", help="comma separated: one-gpu, mixed")
+    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--grpc-port", type=int, default=9100)
+    parser.add_argument("--http-port", type=int, default=8100)
+    parser.add_argument("--json", help="also write the results as JSON here")
+    args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print(f"SKIP: torch {torch.__version__} sees no CUDA GPU on this machine; nothing was served "
+              "(--device cpu runs the same on the CPU)")
+        return 0
+    shape = args.shape or ("default" if args.device == "cuda" else "small")
+    tokenizer = args.tokenizer or _prepared_tokenizer()
+    gpu = torch.cuda.get_device_name(0) if args.device == "cuda" else "none"
+    print(f"device {args.device} (GPU: {gpu}), torch {torch.__version__}, {_versions()}, shape {shape}", flush=True)
+    results = []
+    with tempfile.TemporaryDirectory(prefix="splitspec-serve-check-") as tmp:
+        pair = random_pair(Path(tmp), tokenizer, shape)
+        for run in args.runs.split(","):
+            config = run_config(run, pair, args.device)
+            path = Path(tmp) / f"{run}.yaml"
+            path.write_text(yaml.safe_dump(config))
+            results.append(serve_and_check(run, path, args))
+    failed = [c for r in results for c in r["checks"] if not c["ok"]]
+    print(f"{sum(len(r['checks']) for r in results) - len(failed)}/{sum(len(r['checks']) for r in results)} "
+          f"serve checks passed", flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"device": args.device, "gpu": gpu, "shape": shape,
+                                               "runs": results}, indent=2))
+    return 1 if failed else 0
+
+
+def _versions() -> str:
+    import ray
+    import transformers
+
+    return f"transformers {transformers.__version__}, ray {ray.__version__}"
+
+
+def _prepared_tokenizer() -> Path:
+    from services.models import default_pair
+
+    return default_pair.target_dir()
+
+
+def random_pair(out: Path, tokenizer: Path, shape: str, seed: int = 0) -> tuple[Path, Path]:
+    """(target, draft) folders of random-weight Llama models around ``tokenizer``'s files; the draft is the
+    target's first half of its layers with its embeddings (tied head) and final norm."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from splitspec.gpu_check import default_shape_config
+
+    missing = [f for f in TOKENIZER_FILES if not (tokenizer / f).is_file()]
+    if missing:
+        raise SystemExit(f"error: {tokenizer} lacks {missing}: prepare the default pair (splitspec models prepare) "
+                         "or pass --tokenizer")
+    config = default_shape_config() if shape == "default" else LlamaConfig(
+        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=8192, tie_word_embeddings=True)
+    torch.manual_seed(seed)
+    target = LlamaForCausalLM(config).to(torch.bfloat16)
+    with torch.no_grad():
+        target.get_input_embeddings().weight.normal_(0.0, EMBEDDING_STD)
+    draft_config = config.to_dict() | {"num_hidden_layers": max(1, config.num_hidden_layers // 2)}
+    draft = LlamaForCausalLM(type(config).from_dict(draft_config)).to(torch.bfloat16)
+    draft.load_state_dict({k: v for k, v in target.state_dict().items() if k in draft.state_dict()})
+    folders = []
+    for name, model in (("target", target), ("draft", draft)):
+        folder = out / name
+        model.save_pretrained(folder)
+        for f in TOKENIZER_FILES:
+            shutil.copy(tokenizer / f, folder / f)
+        folders.append(folder)
+    return folders[0], folders[1]
+
+
+def run_config(run: str, pair: tuple[Path, Path], device: str) -> dict:
+    """configs/gpu-one.yaml's app args for ``run`` with the random pair (on the CPU: every cuda stage on the CPU)."""
+    data = yaml.safe_load(CONFIG.read_text())["applications"][0]["args"]
+    data["models"].update(target=str(pair[0]), draft=str(pair[1]))
+    data["limits"].update(max_new_tokens=256)
+    stages = data["stages"]
+    if run == "mixed":
+        stages["draft"].update(device="cpu", dtype="float32", threads=DRAFT_CPU_THREADS if device == "cuda" else 1)
+        stages["draft"]["placement"]["num_gpus"] = 0
+        data["speculation"] = {"colocate_drafter": False}
+    elif run != "one-gpu":
+        raise SystemExit(f"error: unknown run {run!r} (one-gpu, mixed)")
+    if device == "cpu":
+        for stage in stages.values():
+            stage["device"] = "cpu"
+            stage["placement"]["num_gpus"] = 0
+        stages["verify"]["kv_capacity"] = 512  # every bfloat16 pass on the CPU attends over the whole buffer
+    return data
+
+
+def serve_and_check(run: str, config: Path, args) -> dict:
+    """Start `splitspec serve --config config`, run the checks through gRPC, stop it; the run's results."""
+    from splitspec.client import SpecDecodeClient
+
+    print(f"== {run}: splitspec serve --config {config.name} ({_stages(config)})", flush=True)
+    checks: list[dict] = []
+    report = {"run": run, "checks": checks}
+
+    def check(name: str, ok: bool, detail: str) -> None:
+        checks.append({"name": name, "ok": bool(ok), "detail": detail})
+        print(f"{'PASS' if ok else 'FAIL'} {run}: {name}: {detail}", flush=True)
+
+    started = time.monotonic()
+    server = _Server(config, args.grpc_port, args.http_port)
+    try:
+        up = server.wait_serving(START_TIMEOUT_S)
+        check("deploy", up, f"serving after {time.monotonic() - started:.0f} s" if up else
+              f"not serving (exit code {server.proc.poll()}); its log's end:\n{server.tail()}")
+        if up:
+            with SpecDecodeClient(f"127.0.0.1:{args.grpc_port}", timeout_s=300) as client:
+                _answers(client, args.max_new_tokens, check, report)
+    except Exception as exc:  # noqa: BLE001 - reported as a failed check; the server is stopped below
+        check("requests", False, f"{type(exc).__name__}: {exc}")
+    finally:
+        code, seconds = server.stop(STOP_TIMEOUT_S)
+        check("stop", code == 0 and seconds <= STOP_TIMEOUT_S, f"exit code {code} after {seconds:.1f} s (SIGTERM)")
+    return report
+
+
+def _stages(config: Path) -> str:
+    stages = yaml.safe_load(config.read_text())["stages"]
+    return ", ".join(f"{name} {s['device']}" for name, s in stages.items())
+
+
+def _answers(client, max_new_tokens: int, check, report: dict) -> None:
+    def ask(prompt: str, **policy):
+        return client.generate(messages=[("user", prompt)], max_new_tokens=max_new_tokens, **policy)
+
+    off = {p: ask(p, speculate=False) for p in PROMPTS}
+    report["speculation off"] = _figures(off.values())
+    want = {p: list(r.token_ids) for p, r in off.items()}
+    for name, policy in POLICIES.items():
+        got = {p: ask(p, **policy) for p in PROMPTS}
+        moved = {p: _first_difference(list(r.token_ids), want[p]) for p, r in got.items()}
+        moved = {p: i for p, i in moved.items() if i is not None}
+        figures = report[name] = _figures(got.values())
+        check(f"greedy {name} = speculation off", not moved,
+              f"{len(PROMPTS)} prompts; {figures['tokens_per_s']:.1f} tok/s (off {report['speculation off']['tokens_per_s']:.1f}), "
+              f"accepted {figures['accepted']}/{figures['drafted']}, KV handoff {figures['kv_handoff_ms']:.1f} ms"
+              + (f"; differs at token {moved}" if moved else ""))
+    with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
+        at_once = dict(zip(PROMPTS, pool.map(lambda p: list(ask(p, **POLICIES["model k=3"]).token_ids), PROMPTS)))
+    check("greedy k=3, 4 requests at once = speculation off", at_once == want,
+          f"{len(PROMPTS)} requests" + ("" if at_once == want else
+                                        f"; differ: {[p for p in PROMPTS if at_once[p] != want[p]]}"))
+    streamed = [t for chunk in client.stream(messages=[("user", PROMPTS[0])], max_new_tokens=max_new_tokens,
+                                             **POLICIES["model k=3"]) for t in chunk.token_ids]
+    check("streamed k=3 = speculation off", streamed == want[PROMPTS[0]], f"{len(streamed)} tokens")
+    sampled = [list(ask(PROMPTS[1], temperature=0.8, seed=7, **POLICIES["model k=3"]).token_ids) for _ in range(2)]
+    check("seeded sampled k=3 repeats", sampled[0] == sampled[1] and len(sampled[0]) > 0, f"{len(sampled[0])} tokens")
+
+
+def _figures(responses) -> dict:
+    responses = list(responses)
+    tokens = sum(len(r.token_ids) for r in responses)
+    seconds = sum(r.timings.total_ms for r in responses) / 1e3
+    return {"tokens": tokens, "tokens_per_s": tokens / seconds if seconds else 0.0,
+            "drafted": sum(r.speculation_stats.drafted for r in responses),
+            "accepted": sum(r.speculation_stats.accepted for r in responses),
+            "kv_handoff_ms": sum(r.timings.kv_handoff_ms for r in responses) / len(responses)}
+
+
+def _first_difference(a: list[int], b: list[int]) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+class _Server:
+    """`splitspec serve` as a child process in its own session, its output kept for the report."""
+
+    def __init__(self, config: Path, grpc_port: int, http_port: int):
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+                   PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "splitspec.cli", "serve", "--config", str(config), "--grpc-port", str(grpc_port),
+             "--http-port", str(http_port), "--no-dashboard", "--stop-timeout", str(STOP_TIMEOUT_S - 10)],
+            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        self.lines: list[str] = []
+        self.serving = threading.Event()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line)
+            if "splitspec is serving" in line:
+                self.serving.set()
+
+    def wait_serving(self, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while not self.serving.wait(1.0):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                return False
+        return True
+
+    def tail(self, lines: int = 30) -> str:
+        return "".join(self.lines[-lines:])
+
+    def stop(self, timeout_s: float) -> tuple[int | None, float]:
+        start = time.monotonic()
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            code = self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            code = self.proc.wait()
+        return code, time.monotonic() - start
+
+
+if __name__ == "__main__":
+    sys.exit(main())
