@@ -193,6 +193,9 @@ def cmd_serve(args) -> int:
         for why in exc.problems.values():
             print(f"error: {why}", file=sys.stderr)
         code = 2
+    except cluster.DeployError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        code = 2
     finally:
         stopper.begin()
         if local is not None:

@@ -77,6 +77,23 @@ class PlacementError(RuntimeError):
         super().__init__("; ".join(problems.values()))
 
 
+class DeployError(RuntimeError):
+    """The application failed to deploy: Serve gave up on a deployment (e.g. its replicas' constructor raised)."""
+
+
+def _deploy_failure(name: str, status) -> DeployError:
+    """The failed deployments with the last line of each one's error (Serve's app message only names them)."""
+    reasons = [f"{deployment}: {_last_line(d.message)}" for deployment, d in status.deployments.items()
+               if d.status in ("DEPLOY_FAILED", "UNHEALTHY") and d.message]
+    return DeployError(f"application {name!r} failed to deploy: {status.message}"
+                       + "".join(f"\n  {reason}" for reason in reasons))
+
+
+def _last_line(message: str) -> str:
+    lines = [line.strip() for line in message.strip().splitlines() if line.strip()]
+    return lines[-1] if lines else ""
+
+
 def placements_for(nodes: int, config: AppConfig) -> AppConfig:
     """The config with every stage the config leaves unpinned pinned the way a local cluster of ``nodes`` offers.
 
@@ -100,6 +117,7 @@ class LocalCluster:
     dashboard: bool = True
     metrics_export_port: int | None = None
     log_to_driver: bool = True  # replica logs on this process' stderr
+    gpus: int | None = None  # GPUs the one node declares (None: Ray counts the machine's; tests declare absent ones)
     _cluster: object = field(default=None, repr=False)
     dashboard_url: str = ""
     session_dir: str = ""  # Ray's session folder (logs under logs/); its name is in every Ray process of the cluster
@@ -116,6 +134,8 @@ class LocalCluster:
         if self.metrics_export_port:
             head["metrics_export_port"] = self.metrics_export_port
         if self.nodes == 1:
+            if self.gpus is not None:
+                head["num_gpus"] = self.gpus
             context = ray.init(resources={resource_name(s): 1 for s in (*STAGES, INGRESS)}, log_to_driver=self.log_to_driver,
                                **head)
         else:
@@ -233,7 +253,7 @@ def free_port() -> int:
 def deploy(config: AppConfig, *, name: str = DEFAULT_APP_NAME, route_prefix: str | None = "/", timeout_s: float = 600.0,
            stop: threading.Event | None = None) -> bool:
     """Deploy the app and wait until it runs (True) or ``stop`` is set (False); raise PlacementError naming any
-    stage no node can host."""
+    stage no node can host, DeployError naming each deployment that failed and why."""
     import ray
     from ray import serve
     from ray.serve.api import RunTarget
@@ -252,7 +272,7 @@ def deploy(config: AppConfig, *, name: str = DEFAULT_APP_NAME, route_prefix: str
         if status is not None and status.status == "RUNNING":
             return True
         if status is not None and status.status == "DEPLOY_FAILED":
-            raise RuntimeError(f"application {name!r} failed to deploy: {status.message}")
+            raise _deploy_failure(name, status)
         if time.monotonic() - start > timeout_s:
             raise TimeoutError(f"application {name!r} not running after {timeout_s:g}s: {status.message if status else ''}")
         time.sleep(APP_POLL_S)

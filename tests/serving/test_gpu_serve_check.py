@@ -52,3 +52,21 @@ def test_the_one_gpu_graph_serves_on_the_cpu(tmp_path, capsys):
     run = json.loads((tmp_path / "r.json").read_text())["runs"][0]
     assert run["run"] == "one-gpu" and all(c["ok"] for c in run["checks"])
     assert run["model k=3"]["drafted"] > 0  # it did speculate
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+def test_a_cuda_stage_where_torch_sees_no_gpu_fails_the_deploy_naming_stage_and_node():
+    """Ray is told the node has a GPU (it places the replica), torch in the replica sees none: the deploy fails with
+    the replica's error, which names the stage and the node, instead of serving on the CPU or hanging."""
+    from splitspec import cluster
+    from tests.serving.conftest import make_config
+
+    config = make_config(stages={"verify": {"device": "cuda", "placement": {"num_gpus": 0.3}}})
+    local = cluster.LocalCluster(gpus=1, dashboard=False, log_to_driver=False).start()
+    try:
+        with pytest.raises(cluster.DeployError, match="failed to deploy") as failed:
+            cluster.serve_local(config, 1, free_port(), free_port())
+    finally:
+        local.stop()
+    assert "Verify: " in str(failed.value) and "stage 'verify', node " in str(failed.value)
+    assert "torch sees no CUDA GPU" in str(failed.value)
