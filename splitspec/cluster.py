@@ -77,6 +77,17 @@ class PlacementError(RuntimeError):
         super().__init__("; ".join(problems.values()))
 
 
+def local_gpus(config: AppConfig) -> int | None:
+    """GPUs a one-node local cluster declares: torch's count where a stage runs on cuda (Ray counts through NVML,
+    which some virtual machines do not offer: it would count none and leave every GPU stage unplaceable); else
+    None (Ray counts). With no GPU torch can see, None too: the stage then fails at start, naming itself."""
+    if not any(config.stage(stage).device.startswith("cuda") for stage in STAGES):
+        return None
+    import torch
+
+    return torch.cuda.device_count() or None
+
+
 class DeployError(RuntimeError):
     """The application failed to deploy: Serve gave up on a deployment (e.g. its replicas' constructor raised)."""
 

@@ -51,3 +51,13 @@ def test_gpu_stage_without_gpu_nodes_is_named():
     problems = unplaceable(config, [node])
     assert list(problems) == ["verify"] and "GPU" in problems["verify"]
     assert unplaceable(config, [{**node, "Resources": {**node["Resources"], "GPU": 1}}]) == {}
+
+
+def test_a_local_node_declares_torchs_gpus_only_for_cuda_stages():
+    import torch
+
+    from splitspec.cluster import local_gpus
+
+    assert local_gpus(AppConfig()) is None  # Ray counts (and no stage asks for a GPU)
+    cuda = AppConfig.model_validate({"stages": {"verify": {"device": "cuda", "placement": {"num_gpus": 1}}}})
+    assert local_gpus(cuda) == (torch.cuda.device_count() or None)
