@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Both GPU checks in one call, each bounded so that both report: the engine (scripts/gpu-check.sh, no Ray) and the
-# service (scripts/gpu-serve-check.sh, Ray Serve from the carried .gpu-bundle where the machine has no Ray).
-# Results go to $OUT (or ./gpu-results): gpu.json, serve.json and session.log. For the device tool:
+# Both GPU checks in one call, each bounded so that both report: the service first (scripts/gpu-serve-check.sh, Ray
+# Serve from the carried .gpu-bundle where the machine has no Ray: it has never run on a GPU), then the engine
+# (scripts/gpu-check.sh, no Ray; an earlier GPU session ran most of it).
+# A timed-out service check still stops its server (at most 60 s more). Results go to $OUT (or ./gpu-results): gpu.json, serve.json and session.log. For the device tool:
 #   bash scripts/gpu-bundle.sh     # here, once (where pip works)
 #   run(command="bash scripts/gpu-session.sh", carry=[".gpu-bundle"], timeout_s=590)
 set -uo pipefail
@@ -12,11 +13,11 @@ export PYTHONUNBUFFERED=1
 {
   date -u
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 || echo "no nvidia-smi"
-  echo "== engine: scripts/gpu-check.sh (at most ${GPU_CHECK_S:-300} s)"
-  timeout "${GPU_CHECK_S:-300}" bash scripts/gpu-check.sh --json "$out/gpu.json"
-  echo "engine check exit code $?"
-  echo "== service: scripts/gpu-serve-check.sh (at most ${SERVE_CHECK_S:-270} s)"
-  timeout "${SERVE_CHECK_S:-270}" bash scripts/gpu-serve-check.sh --json "$out/serve.json"
+  echo "== service: scripts/gpu-serve-check.sh (at most ${SERVE_CHECK_S:-240} s)"
+  timeout "${SERVE_CHECK_S:-240}" bash scripts/gpu-serve-check.sh --json "$out/serve.json"
   echo "service check exit code $?"
+  echo "== engine: scripts/gpu-check.sh (at most ${GPU_CHECK_S:-270} s)"
+  timeout "${GPU_CHECK_S:-270}" bash scripts/gpu-check.sh --json "$out/gpu.json"
+  echo "engine check exit code $?"
   date -u
 } 2>&1 | tee "$out/session.log"

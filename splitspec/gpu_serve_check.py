@@ -64,6 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--http-port", type=int, default=8100)
     parser.add_argument("--json", help="also write the results as JSON here")
     args = parser.parse_args(argv)
+    # a SIGTERM (e.g. `timeout`) unwinds, so that the server started here is stopped (it runs in its own session)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     if args.device == "cuda" and not torch.cuda.is_available():
         print(f"SKIP: torch {torch.__version__} sees no CUDA GPU on this machine; nothing was served "
               "(--device cpu runs the same on the CPU)")
