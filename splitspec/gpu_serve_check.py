@@ -64,8 +64,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--http-port", type=int, default=8100)
     parser.add_argument("--json", help="also write the results as JSON here")
     args = parser.parse_args(argv)
-    # a SIGTERM (e.g. `timeout`) unwinds, so that the server started here is stopped (it runs in its own session)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     if args.device == "cuda" and not torch.cuda.is_available():
         print(f"SKIP: torch {torch.__version__} sees no CUDA GPU on this machine; nothing was served "
               "(--device cpu runs the same on the CPU)")
@@ -82,12 +80,12 @@ def main(argv: list[str] | None = None) -> int:
             path = Path(tmp) / f"{run}.yaml"
             path.write_text(yaml.safe_dump(config))
             results.append(serve_and_check(run, path, args))
+            if args.json:  # after each run: a check cut short by its caller keeps what it has
+                Path(args.json).write_text(json.dumps({"device": args.device, "gpu": gpu, "shape": shape,
+                                                       "runs": results}, indent=2))
     failed = [c for r in results for c in r["checks"] if not c["ok"]]
     print(f"{sum(len(r['checks']) for r in results) - len(failed)}/{sum(len(r['checks']) for r in results)} "
           f"serve checks passed", flush=True)
-    if args.json:
-        Path(args.json).write_text(json.dumps({"device": args.device, "gpu": gpu, "shape": shape,
-                                               "runs": results}, indent=2))
     return 1 if failed else 0
 
 
@@ -277,4 +275,6 @@ class _Server:
 
 
 if __name__ == "__main__":
+    # a SIGTERM (e.g. `timeout`) unwinds, so that the server started here is stopped (it runs in its own session)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     sys.exit(main())
