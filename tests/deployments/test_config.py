@@ -13,7 +13,7 @@ from deployments.config import AppConfig
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 
-@pytest.mark.parametrize("name", ["default.yaml", "cluster.yaml", "gpu.yaml"])
+@pytest.mark.parametrize("name", ["default.yaml", "cluster.yaml", "gpu.yaml", "gpu-one.yaml"])
 def test_shipped_configs_validate(name):
     data = yaml.safe_load((CONFIGS / name).read_text())
     schema = ServeDeploySchema.model_validate(data)
