@@ -19,6 +19,9 @@ PACKAGES=(ray pydantic pydantic_core annotated-types typing-inspection fastapi s
           opentelemetry-api)
 TOKENIZER_FILES=(tokenizer.json tokenizer_config.json chat_template.jinja)
 
+for tool in strip xz; do
+  command -v "$tool" >/dev/null || { echo "error: $tool is missing (Debian: binutils, xz-utils)" >&2; exit 1; }
+done
 pins=()
 for p in "${PACKAGES[@]}"; do
   pins+=("$p==$("$VENV_PY" -c "import importlib.metadata as m, sys; print(m.version(sys.argv[1]))" "$p")")
@@ -39,8 +42,9 @@ echo "installing for Python $PY_VERSION: ${pins[*]}"
 rm -rf "$stage"/site/ray/{jars,rllib,tune,train,data,llm,dashboard/client/build} "$stage"/site/bin
 find "$stage/site" -name __pycache__ -prune -exec rm -rf {} +
 find "$stage/site" -name RECORD -path '*.dist-info/*' -delete
+# (strip leaves a file that is not ELF, e.g. an __init__.py beside the binaries, as it is)
 find "$stage/site/ray" -type f \( -name '*.so' -o -path '*/core/src/ray/*' \) -exec sh -c \
-  'file -b "$1" | grep -q ELF && strip --strip-unneeded "$1"' _ {} \;
+  'strip --strip-unneeded "$1" 2>/dev/null || true' _ {} \;
 mkdir "$stage/tokenizer"
 for f in "${TOKENIZER_FILES[@]}"; do cp "$target_dir/$f" "$stage/tokenizer/"; done
 
