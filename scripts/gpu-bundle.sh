@@ -16,7 +16,7 @@ LIMIT=$((64 * 1024 * 1024))
 # what the image lacks (KINDS.md's package list) or may hold at a version older than the checked-in stubs need
 PACKAGES=(ray pydantic pydantic_core annotated-types typing-inspection fastapi starlette uvicorn jsonschema
           jsonschema-specifications referencing rpds-py grpcio grpcio-health-checking grpcio-reflection protobuf
-          opentelemetry-api)
+          opentelemetry-api typing-extensions annotated-doc anyio)
 TOKENIZER_FILES=(tokenizer.json tokenizer_config.json chat_template.jinja)
 
 for tool in strip xz; do
@@ -48,19 +48,21 @@ find "$stage/site/ray" -type f \( -name '*.so' -o -path '*/core/src/ray/*' \) -e
 mkdir "$stage/tokenizer"
 for f in "${TOKENIZER_FILES[@]}"; do cp "$target_dir/$f" "$stage/tokenizer/"; done
 
-mkdir -p "$BUNDLE"
 echo "compressing $(du -sh "$stage" | cut -f1) ..."
-tar -C "$stage" -cf - site tokenizer | xz -9 -T2 > "$BUNDLE/site.tar.xz.part"
-mv "$BUNDLE/site.tar.xz.part" "$BUNDLE/site.tar.xz"
-printf '%s\n' "${pins[@]}" > "$BUNDLE/versions.txt"
-echo "python $PY_VERSION" >> "$BUNDLE/versions.txt"
+tar -C "$stage" -cf - site tokenizer | xz -9 -T2 > "$stage/site.tar.xz"
 
-# the working tree that travels: tracked files and untracked files git does not ignore, plus the bundle
-tree=$( { git ls-files -z; git ls-files -z --others --exclude-standard; } | xargs -0 stat -c %s 2>/dev/null | awk '{s+=$1} END {print s+0}')
-bundle=$(du -cb "$BUNDLE"/* | tail -1 | cut -f1)
+# the working tree that travels: tracked files and untracked files git does not ignore (a deleted one counts 0),
+# plus the bundle; an old bundle in $BUNDLE is replaced, not counted
+tree=$( { git ls-files -z; git ls-files -z --others --exclude-standard; } | { xargs -0 stat -c %s 2>/dev/null || true; } \
+        | awk '{s+=$1} END {print s+0}')
+bundle=$(stat -c %s "$stage/site.tar.xz")
 total=$((tree + bundle))
-echo "bundle $BUNDLE: $((bundle / 1024)) KiB; with the working tree $((total / 1024)) KiB of the $((LIMIT / 1024)) KiB a device call carries"
+echo "bundle: $((bundle / 1024)) KiB; with the working tree $((total / 1024)) KiB of the $((LIMIT / 1024)) KiB a device call carries"
 if [ "$total" -gt "$LIMIT" ]; then
-  echo "error: over the limit: the bundle would not travel" >&2
+  echo "error: over the limit: the bundle would not travel (nothing written to $BUNDLE)" >&2
   exit 1
 fi
+mkdir -p "$BUNDLE"
+mv "$stage/site.tar.xz" "$BUNDLE/site.tar.xz"
+{ printf '%s\n' "${pins[@]}"; echo "python $PY_VERSION"; } > "$BUNDLE/versions.txt"
+echo "wrote $BUNDLE/site.tar.xz"

@@ -9,13 +9,17 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}"
 extra=()
-if [ -f .gpu-bundle/site.tar.xz ] && ! "$PYTHON" -c "import ray" 2>/dev/null; then
+if [ -f .gpu-bundle/site.tar.xz ]; then
   site="${TMPDIR:-/tmp}/splitspec-gpu-bundle"
   rm -rf "$site" && mkdir -p "$site"
-  tar -C "$site" -xJf .gpu-bundle/site.tar.xz
-  export PYTHONPATH="$site/site${PYTHONPATH:+:$PYTHONPATH}"
+  # Python's tarfile, not tar: the machine may have no xz program
+  "$PYTHON" -c 'import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2], filter="tar")' \
+    .gpu-bundle/site.tar.xz "$site"
   extra=(--tokenizer "$site/tokenizer")
-  echo "using the carried bundle ($(tr '\n' ' ' < .gpu-bundle/versions.txt))"
+  if ! "$PYTHON" -c "import ray" 2>/dev/null; then
+    export PYTHONPATH="$site/site${PYTHONPATH:+:$PYTHONPATH}"
+    echo "using the carried bundle ($(tr '\n' ' ' < .gpu-bundle/versions.txt))"
+  fi
 fi
 export RAY_AUTH_MODE="${RAY_AUTH_MODE:-disabled}"
 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" exec "$PYTHON" -m splitspec.gpu_serve_check "${extra[@]}" "$@"

@@ -88,8 +88,8 @@ def main(argv: list[str] | None = None) -> int:
         failed += not ok
         report["checks"][name] = {"ok": ok, "detail": detail, "seconds": round(time.perf_counter() - start, 1)}
         print(f"{'PASS' if ok else 'FAIL'} {name} ({time.perf_counter() - start:.1f}s): {detail}", flush=True)
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+        if args.json:  # after each check: a run cut short keeps what it has
+            Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
     print(f"{len(checks) - failed}/{len(checks)} checks passed on {report.get('gpu', device)}")
     return 1 if failed else 0
 
@@ -405,25 +405,12 @@ def _default_shape(device, dtype: str):
     from transformers import LlamaForCausalLM
 
     from services.loading import wrap_model
+    from services.models import default_pair
 
-    config = default_shape_config()
+    config = default_pair.architecture()
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).to(getattr(torch, dtype)).eval()
     return wrap_model(model, model_id=f"default-shape-{dtype}", dtype=dtype, device=str(device))
-
-
-def default_shape_config():
-    """The default target's config (SmolLM2-135M's architecture), read from the prepared pair where it is."""
-    from transformers import LlamaConfig
-
-    from services.loading import config_of
-    from services.models import default_pair
-
-    if (default_pair.target_dir() / "config.json").is_file():
-        return config_of(default_pair.target_dir())
-    return LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                       num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
-                       tie_word_embeddings=True)
 
 
 def _timed(device, step, repeats: int) -> float:

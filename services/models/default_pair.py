@@ -55,6 +55,20 @@ def drafter_dir() -> Path:
     return home() / "models" / DRAFTER_NAME
 
 
+def architecture():
+    """The default target's config (SmolLM2-135M's architecture): the prepared one's, else written out (for random
+    weights of that shape where the pair is not prepared, e.g. a GPU machine without a registry)."""
+    from transformers import LlamaConfig
+
+    from services.loading import config_of
+
+    if (target_dir() / "config.json").is_file():
+        return config_of(target_dir())
+    return LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                       num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
+                       tie_word_embeddings=True)
+
+
 def is_ready(path: Path) -> bool:
     return (path / READY_MARKER).is_file()
 

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
 
+from deployments.config import AppConfig
 from splitspec import gpu_serve_check
 from splitspec.cluster import free_port
 
@@ -36,15 +36,14 @@ def test_the_configs_stages_are_on_the_gpu_and_the_mixed_run_drafts_on_the_cpu(t
     mixed = gpu_serve_check.run_config("mixed", pair, "cuda")
     assert mixed["stages"]["draft"]["device"] == "cpu" and mixed["stages"]["draft"]["placement"]["num_gpus"] == 0
     assert mixed["stages"]["verify"]["device"] == "cuda" and mixed["speculation"]["colocate_drafter"] is False
-    serve_file = yaml.safe_load((ROOT / "configs" / "gpu-one.yaml").read_text())
-    from deployments.config import AppConfig
-
-    AppConfig.model_validate(serve_file["applications"][0]["args"])  # the file as a user deploys it
+    for config in (one, mixed, gpu_serve_check.run_config("mixed", pair, "cpu")):
+        AppConfig.model_validate(config)
+    with pytest.raises(SystemExit):  # argparse: an unknown run is refused before anything is built or served
+        gpu_serve_check.main(["--device", "cpu", "--runs", "one-gpu,three-gpus"])
 
 
 def test_the_one_gpu_graph_serves_on_the_cpu(tmp_path, capsys):
     code = gpu_serve_check.main(["--device", "cpu", "--runs", "one-gpu", "--max-new-tokens", "16",
-                                 "--grpc-port", str(free_port()), "--http-port", str(free_port()),
                                  "--json", str(tmp_path / "r.json")])
     out = capsys.readouterr().out
     assert code == 0, out
