@@ -165,8 +165,7 @@ def cmd_serve(args) -> int:
             ray.init(address=args.address)
         else:
             config = cluster.placements_for(args.nodes, config)
-            gpus = cluster.local_gpus(config) if args.nodes == 1 else None
-            local = cluster.LocalCluster(nodes=args.nodes, dashboard=not args.no_dashboard, gpus=gpus)
+            local = cluster.LocalCluster(nodes=args.nodes, dashboard=not args.no_dashboard, gpus=cluster.local_gpus(config))
             local.start()
             print(f"Ray session: {local.session_dir} (logs in logs/)", flush=True)
         stopper.install()  # ray.init put its own SIGTERM handler in place

@@ -128,7 +128,7 @@ class LocalCluster:
     dashboard: bool = True
     metrics_export_port: int | None = None
     log_to_driver: bool = True  # replica logs on this process' stderr
-    gpus: int | None = None  # GPUs the one node declares (None: Ray counts the machine's; tests declare absent ones)
+    gpus: int | None = None  # nodes=1: GPUs the node declares (None: Ray counts the machine's; tests declare absent ones)
     _cluster: object = field(default=None, repr=False)
     dashboard_url: str = ""
     session_dir: str = ""  # Ray's session folder (logs under logs/); its name is in every Ray process of the cluster

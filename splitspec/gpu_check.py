@@ -432,9 +432,16 @@ def _sync(device) -> None:
 def _first_difference(outputs: list[list[int]], expected: list[list[int]]) -> str:
     for i, (got, want) in enumerate(zip(outputs, expected)):
         if got != want:
-            at = next((j for j, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
-            return f"prompt {i} from token {at} of {len(want)}"
+            return f"prompt {i} from token {first_difference(got, want)} of {len(want)}"
     return "lengths differ"
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    """The first position where two answers differ (a length if one is a prefix of the other); None if equal."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
 
 
 if __name__ == "__main__":

@@ -36,6 +36,8 @@ from pathlib import Path
 import torch
 import yaml
 
+from splitspec.gpu_check import first_difference
+
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "gpu-one.yaml"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
@@ -233,7 +235,7 @@ def _greedy_checks(ask: _Asker, check, report: dict) -> dict[str, list[int]]:
     want = {p: list(r.token_ids) for p, r in off.items()}
     for name, policy in POLICIES.items():
         got = {p: ask(p, **policy) for p in PROMPTS}
-        moved = {p: i for p, r in got.items() if (i := _first_difference(list(r.token_ids), want[p])) is not None}
+        moved = {p: i for p, r in got.items() if (i := first_difference(list(r.token_ids), want[p])) is not None}
         figures = report[name] = _figures(got.values())
         check(f"greedy {name} = speculation off", not moved,
               f"{len(PROMPTS)} prompts; {figures['tokens_per_s']:.1f} tok/s (off "
@@ -273,14 +275,6 @@ def _figures(responses) -> dict:
             "drafted": sum(r.speculation_stats.drafted for r in responses),
             "accepted": sum(r.speculation_stats.accepted for r in responses),
             "kv_handoff_ms": sum(r.timings.kv_handoff_ms for r in responses) / len(responses)}
-
-
-def _first_difference(a: list[int], b: list[int]) -> int | None:
-    """The first position where two answers differ (a length if one is a prefix of the other); None if equal."""
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
 
 
 class _Server:
