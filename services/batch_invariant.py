@@ -44,7 +44,7 @@ import torch
 
 from services.errors import InvalidRequestError
 from services.fast_llama import DenseKVCache
-from services.kv import KVPayload, check_fingerprint
+from services.kv import KVPayload, check_fingerprint, new_buffer
 from services.runner import ModelRunner
 from services.validation import MAX_DRAFT_TOKENS
 
@@ -80,7 +80,7 @@ class StaticKVCache(DenseKVCache):
     def __init__(self, config, capacity: int, dtype: torch.dtype, device: torch.device | str = "cpu"):
         layers, kv_heads, head_dim = kv_shape(config)
         # zeros, not empty: masked positions are multiplied by 0 in attention, which must not meet inf or nan
-        self.buffer = torch.zeros(layers, 2, kv_heads, capacity, head_dim, dtype=dtype, device=device)
+        self.buffer = new_buffer((layers, 2, kv_heads, capacity, head_dim), dtype, device, zeroed=True)
         self.seq_len = 0
 
     @property

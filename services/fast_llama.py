@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from services import kernels
 from services.draft_vocab import scatter_kept
-from services.kv import KVPayload, as_tensor, check_fingerprint, to_numpy
+from services.kv import KVPayload, as_tensor, check_fingerprint, new_buffer, to_numpy
 
 INITIAL_CAPACITY = 256  # KV positions allocated up front; doubled as needed
 
@@ -145,7 +145,7 @@ class DenseKVCache:
     """KV of one sequence in one buffer [layers, 2, kv_heads, capacity, head_dim]; crop moves a length."""
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, capacity: int = INITIAL_CAPACITY):
-        self.buffer = torch.empty(num_layers, 2, num_kv_heads, capacity, head_dim, dtype=dtype)
+        self.buffer = new_buffer((num_layers, 2, num_kv_heads, capacity, head_dim), dtype)
         self.seq_len = 0
 
     @property
@@ -156,7 +156,8 @@ class DenseKVCache:
         capacity = self.buffer.shape[3]
         if length > capacity:
             new_capacity = max(length, 2 * capacity)
-            grown = self.buffer.new_empty(*self.buffer.shape[:3], new_capacity, self.buffer.shape[4])
+            grown = new_buffer((*self.buffer.shape[:3], new_capacity, self.buffer.shape[4]), self.buffer.dtype,
+                               self.buffer.device)  # (inside a forward pass too: a normal tensor)
             grown[:, :, :, : self.seq_len] = self.buffer[:, :, :, : self.seq_len]
             self.buffer = grown
 

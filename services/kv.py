@@ -40,6 +40,20 @@ class KVPayload:
                                    values=[np.ascontiguousarray(v) for v in self.values])
 
 
+def new_buffer(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu", *,
+               zeroed: bool = False) -> torch.Tensor:
+    """The one allocator of KV buffers (the target's, the drafter's, an EAGLE head's).
+
+    The engine's rule for inference mode: forward passes run under ``torch.inference_mode``; what outlives them, a
+    session's KV buffer, is a normal tensor, allocated here even when a pass grows it. A buffer allocated inside
+    inference mode would be an inference tensor, which no code outside it may write in place (a draft tree's
+    accepted path compacted into the KV, ``DenseKVCache.keep``: Spec-Bench question 139 failed on that). A normal
+    tensor is written in place in and outside inference mode alike.
+    """
+    with torch.inference_mode(False):
+        return (torch.zeros if zeroed else torch.empty)(shape, dtype=dtype, device=device)
+
+
 def check_fingerprint(payload: KVPayload, fingerprint: str) -> None:
     """Refuse KV computed by another model than the one about to use it."""
     if payload.fingerprint != fingerprint:

@@ -34,6 +34,8 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
+from services.kv import new_buffer
+
 logger = logging.getLogger(__name__)
 NO_ID = -1  # remap entry of a vocabulary id outside the kept draft vocabulary
 
@@ -526,8 +528,8 @@ class HeadSession:
 
     def __init__(self, head: EagleHead, capacity: int = 256):
         self.head = head
-        self.k = torch.zeros(head.num_kv_heads, capacity, head.head_dim)
-        self.v = torch.zeros_like(self.k)
+        self.k = new_buffer((head.num_kv_heads, capacity, head.head_dim), torch.float32, zeroed=True)
+        self.v = new_buffer(tuple(self.k.shape), torch.float32, zeroed=True)
         self.length = 0  # accepted context rows
         self.chain_len = 0
         self.g = self.last_token = None
@@ -535,7 +537,8 @@ class HeadSession:
     def _reserve(self, end: int) -> None:  # grow the K/V rows to hold ``end`` (doubling), keeping context and chain rows
         if end > self.k.shape[1]:
             size, used = max(end, 2 * self.k.shape[1]), self.length + self.chain_len
-            k, v = self.k.new_zeros(self.k.shape[0], size, self.k.shape[2]), self.v.new_zeros(self.v.shape[0], size, self.v.shape[2])
+            shape = (self.k.shape[0], size, self.k.shape[2])
+            k, v = new_buffer(shape, self.k.dtype, zeroed=True), new_buffer(shape, self.v.dtype, zeroed=True)
             k[:, :used], v[:, :used] = self.k[:, :used], self.v[:, :used]
             self.k, self.v = k, v
 
