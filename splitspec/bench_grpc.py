@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import time
 
+import grpc
+
 from services.models.prompts import held_out_prompts
 from splitspec.client import SpecDecodeClient
 
@@ -41,63 +43,124 @@ POLICIES = {
     "eagle adaptive overlap": dict(speculate=True, drafter="eagle", overlap=True),
     "eagle adaptive sequential": dict(speculate=True, drafter="eagle", overlap=False),
 }
-PROMPT_SETS = ("held_out", "everyday")
+PROMPT_SETS = ("held_out", "everyday", "specbench")
+CHECK_POLICIES = ["server default"]  # what ``--check`` holds to speculation off unless --policies names others
 
 
-def prompts_of(prompt_set: str) -> list[str]:
-    """The drafter's held-out prompts (services.models.prompts), or everyday assistant requests (prompt_bank)."""
+def labelled_prompts(prompt_set: str) -> list[tuple[str, str]]:
+    """(category, prompt): the drafter's held-out prompts (services.models.prompts), everyday assistant requests
+    (prompt_bank), or Spec-Bench's first turns (services.models.specbench), dealt over its six categories so that
+    any first n are spread evenly over them."""
     if prompt_set == "everyday":
         from services.models.prompt_bank import everyday_prompts
 
-        return [p for _, p in everyday_prompts()]
-    return held_out_prompts()
+        return list(everyday_prompts())
+    if prompt_set == "specbench":
+        from services.models import specbench
+
+        return [(q.category, q.first_turn) for q in specbench.interleaved()]
+    if prompt_set != "held_out":
+        raise ValueError(f"unknown prompt set {prompt_set!r}; known: {list(PROMPT_SETS)}")
+    return [("held_out", p) for p in held_out_prompts()]
+
+
+def prompts_of(prompt_set: str) -> list[str]:
+    return [p for _, p in labelled_prompts(prompt_set)]
+
+
+def _totals() -> dict:
+    return {"tokens": 0, "seconds": 0.0, "drafted": 0, "accepted": 0, "steps": 0, "pre_drafts": 0, "hits": 0,
+            "ttft_ms": [], "prompts": 0}
+
+
+def _add(t: dict, response, elapsed: float) -> None:
+    s = response.speculation_stats
+    t["tokens"] += len(response.token_ids)
+    t["seconds"] += elapsed
+    t["drafted"] += s.drafted
+    t["accepted"] += s.accepted
+    t["steps"] += s.steps
+    t["pre_drafts"] += s.pre_drafts
+    t["hits"] += s.pre_draft_hits
+    t["ttft_ms"].append(response.timings.ttft_ms)
+    t["prompts"] += 1
+
+
+def _summary(t: dict, off_tok_s: float) -> dict:
+    tok_s = t["tokens"] / t["seconds"] if t["seconds"] else 0.0
+    ideal = off_tok_s * t["tokens"] / (t["steps"] + t["prompts"]) if t["steps"] else off_tok_s
+    return {
+        "tok_s": round(tok_s, 2),
+        "ratio_vs_off": round(tok_s / off_tok_s, 3) if off_tok_s else None,
+        "acceptance_rate": round(t["accepted"] / t["drafted"], 3) if t["drafted"] else None,
+        "mean_accepted_length": round((t["accepted"] + t["steps"]) / t["steps"], 3) if t["steps"] else None,
+        "overlap_hit_rate": round(t["hits"] / t["pre_drafts"], 3) if t["pre_drafts"] else None,
+        "ideal_tok_s": round(ideal, 2),
+        "fraction_of_ideal": round(tok_s / ideal, 3) if ideal else None,
+        "median_ttft_ms": round(sorted(t["ttft_ms"])[len(t["ttft_ms"]) // 2], 1) if t["ttft_ms"] else None,
+        "tokens": t["tokens"], "steps": t["steps"], "drafted": t["drafted"],
+    }
 
 
 def run(client: SpecDecodeClient, *, num_prompts: int = 8, max_new_tokens: int = 64, warmup: int = 1,
-        prompt_set: str = "held_out", policies: list[str] | None = None) -> dict:
+        prompt_set: str = "held_out", policies: list[str] | None = None, check: bool = False,
+        progress=None) -> dict:
+    """The policies' tok/s, acceptance and answers over the first ``num_prompts`` of ``prompt_set`` (0: all).
+
+    ``check``: a regression run. A failed call is recorded (``errors``: prompt, category, policy, status, message)
+    and the run goes on; ``mismatches`` lists the prompts where a policy's greedy answer differs from speculation
+    off's; ``ok`` is True when there are neither. Without it a failed call raises. ``progress(done, total)``: called
+    after each prompt.
+    """
+    if policies is None and check:
+        policies = CHECK_POLICIES
     unknown = set(policies or ()) - set(POLICIES)
     if unknown:
         raise ValueError(f"unknown policies {sorted(unknown)}; known: {list(POLICIES)}")
     chosen = {name: p for name, p in POLICIES.items() if name == "off" or not policies or name in policies}
-    prompts = prompts_of(prompt_set)[:num_prompts]
+    labelled = labelled_prompts(prompt_set)
+    labelled = labelled[:num_prompts] if num_prompts else labelled
     for policy in chosen.values():  # warm every stage and kernel before timing
-        for prompt in prompts[:warmup]:
+        for _, prompt in labelled[:warmup]:
             client.generate(messages=[("user", prompt)], max_new_tokens=8, **policy)
-    totals = {name: {"tokens": 0, "seconds": 0.0, "drafted": 0, "accepted": 0, "steps": 0, "pre_drafts": 0, "hits": 0,
-                     "ttft_ms": []} for name in chosen}
-    answers: dict[str, list[list[int]]] = {name: [] for name in chosen}
-    for prompt in prompts:
+    totals = {name: _totals() for name in chosen}
+    by_category: dict[str, dict[str, dict]] = {}
+    answers: dict[str, list[list[int] | None]] = {name: [] for name in chosen}
+    errors = []
+    for i, (category, prompt) in enumerate(labelled):
         for name, policy in chosen.items():
             start = time.perf_counter()
-            response = client.generate(messages=[("user", prompt)], max_new_tokens=max_new_tokens, **policy)
+            try:
+                response = client.generate(messages=[("user", prompt)], max_new_tokens=max_new_tokens, **policy)
+            except grpc.RpcError as exc:
+                if not check:
+                    raise
+                errors.append({"prompt": i, "category": category, "policy": name, "code": exc.code().name,
+                               "details": exc.details()})
+                answers[name].append(None)
+                continue
             elapsed = time.perf_counter() - start
-            t, s = totals[name], response.speculation_stats
-            t["tokens"] += len(response.token_ids)
-            t["seconds"] += elapsed
-            t["drafted"] += s.drafted
-            t["accepted"] += s.accepted
-            t["steps"] += s.steps
-            t["pre_drafts"] += s.pre_drafts
-            t["hits"] += s.pre_draft_hits
-            t["ttft_ms"].append(response.timings.ttft_ms)
+            _add(totals[name], response, elapsed)
+            _add(by_category.setdefault(category, {}).setdefault(name, _totals()), response, elapsed)
             answers[name].append(list(response.token_ids))
-    report = {"prompts": len(prompts), "prompt_set": prompt_set, "max_new_tokens": max_new_tokens, "policies": {}}
-    off = totals["off"]["tokens"] / totals["off"]["seconds"]
-    for name, t in totals.items():
-        tok_s = t["tokens"] / t["seconds"]
-        ideal = off * t["tokens"] / (t["steps"] + len(prompts)) if t["steps"] else off
-        report["policies"][name] = {
-            "tok_s": round(tok_s, 2),
-            "ratio_vs_off": round(tok_s / off, 3),
-            "acceptance_rate": round(t["accepted"] / t["drafted"], 3) if t["drafted"] else None,
-            "mean_accepted_length": round((t["accepted"] + t["steps"]) / t["steps"], 3) if t["steps"] else None,
-            "overlap_hit_rate": round(t["hits"] / t["pre_drafts"], 3) if t["pre_drafts"] else None,
-            "ideal_tok_s": round(ideal, 2),
-            "fraction_of_ideal": round(tok_s / ideal, 3),
-            "median_ttft_ms": round(sorted(t["ttft_ms"])[len(t["ttft_ms"]) // 2], 1),
-            "tokens": t["tokens"], "steps": t["steps"], "drafted": t["drafted"],
-        }
-    report["greedy_identical"] = all(answers[name] == answers["off"] for name in chosen)
+        if progress is not None:
+            progress(i + 1, len(labelled))
+    report = {"prompts": len(labelled), "prompt_set": prompt_set, "max_new_tokens": max_new_tokens, "policies": {}}
+    off = totals["off"]["tokens"] / totals["off"]["seconds"] if totals["off"]["seconds"] else 0.0
+    report["policies"] = {name: _summary(t, off) for name, t in totals.items()}
+    if len(by_category) > 1:
+        report["categories"] = {}
+        for category, per_policy in by_category.items():
+            t_off = per_policy.get("off")
+            off_c = t_off["tokens"] / t_off["seconds"] if t_off and t_off["seconds"] else 0.0
+            report["categories"][category] = {name: _summary(t, off_c) for name, t in per_policy.items()}
+    mismatches = [{"prompt": i, "category": labelled[i][0], "policy": name}
+                  for name in chosen if name != "off" for i, (got, want) in enumerate(zip(answers[name], answers["off"]))
+                  if got is not None and want is not None and got != want]
+    report["greedy_identical"] = not mismatches
+    if check:
+        report["errors"], report["mismatches"] = errors, mismatches
+        report["ok"] = not errors and not mismatches
     return report
 
 

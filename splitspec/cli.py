@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from deployments import auth
+from splitspec.bench_grpc import PROMPT_SETS
 from splitspec.stopping import DEFAULT_STOP_TIMEOUT_S
 
 
@@ -78,6 +79,25 @@ def cmd_bench_batching(args) -> int:
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
         print(f"wrote {args.json}")
     return 0
+
+
+@contextlib.contextmanager
+def _progress_bar(unit: str):
+    """A ``progress(done, total)`` callback drawing a bar with an ETA on stderr."""
+    from tqdm.auto import tqdm
+
+    bar = None
+
+    def progress(done: int, total: int) -> None:
+        nonlocal bar
+        bar = bar or tqdm(total=total, unit=unit[:-1] if unit.endswith("s") else unit, file=sys.stderr)
+        bar.update(done - bar.n)
+
+    try:
+        yield progress
+    finally:
+        if bar is not None:
+            bar.close()
 
 
 def _write_report(args, report: dict, plot=None, ok: bool | None = None) -> int:
@@ -277,12 +297,12 @@ def cmd_bench_grpc(args) -> int:
 
     with _service(args) as (address, local):
         with SpecDecodeClient(address) as client:
-            report = bench_grpc.run(client, num_prompts=args.prompts, max_new_tokens=args.max_new_tokens,
-                                    prompt_set=args.prompt_set, policies=args.policies.split(",") if args.policies else None)
+            with _progress_bar("prompts") as progress:
+                report = bench_grpc.run(client, num_prompts=args.prompts, max_new_tokens=args.max_new_tokens,
+                                        prompt_set=args.prompt_set, check=args.check, progress=progress,
+                                        policies=args.policies.split(",") if args.policies else None)
         if local:  # what the server's adaptive policy learned during the run
-            from ray import serve
-
-            ingress = serve.get_deployment_handle("SpecDecodeIngress", app_name=cluster.DEFAULT_APP_NAME)
+            ingress = cluster.handle("SpecDecodeIngress")
             report["server_policy_state"] = ingress.policy_state.remote().result(timeout_s=30)
             print(f"server's adaptive policy state: {json.dumps(report['server_policy_state'])}")
             bench_grpc.add_drafting_ideal(report, report["server_policy_state"],
@@ -295,8 +315,22 @@ def cmd_bench_grpc(args) -> int:
             f"; with drafting at its fastest {r['ideal_with_drafting_tok_s']:.2f}, {r['fraction_of_ideal_with_drafting']:.0%}")
         print(f"  {name:<26} {r['tok_s']:6.2f} tok/s = {r['ratio_vs_off']:.2f}x off (ideal {r['ideal_tok_s']:.2f}, "
               f"{r['fraction_of_ideal']:.0%} of it{costed}); median ttft {r['median_ttft_ms']:.0f} ms{acc}{hits}")
+    for category, per_policy in report.get("categories", {}).items():
+        print(f"  {category}: " + "; ".join(
+            f"{name} {r['ratio_vs_off']:.2f}x" + ("" if r["mean_accepted_length"] is None else
+                                                  f" (mean accepted length {r['mean_accepted_length']:.2f})")
+            for name, r in per_policy.items() if name != "off"))
     print(f"greedy identical across policies: {report['greedy_identical']}")
-    return _write_report(args, report, bench_grpc.plot)
+    if not args.check:
+        return _write_report(args, report, bench_grpc.plot)
+    for error in report["errors"]:
+        print(f"  ERROR prompt {error['prompt']} ({error['category']}), {error['policy']}: {error['code']}: "
+              f"{error['details']}")
+    for mismatch in report["mismatches"]:
+        print(f"  MISMATCH prompt {mismatch['prompt']} ({mismatch['category']}), {mismatch['policy']} vs off")
+    print(f"check: {report['prompts']} prompts, {len(report['errors'])} errors, {len(report['mismatches'])} answers "
+          f"differing from speculation off: {'OK' if report['ok'] else 'FAILED'}")
+    return _write_report(args, report, bench_grpc.plot, ok=report["ok"])
 
 
 def cmd_bench_load(args) -> int:
@@ -424,9 +458,10 @@ def _service_args(p: argparse.ArgumentParser, *, prompts: int) -> None:
     p.add_argument("--grpc-port", type=int, default=9100)
     p.add_argument("--http-port", type=int, default=8100, help="the OpenAI API's port (of the local service, or on "
                    "--address's host)")
-    p.add_argument("--prompts", type=int, default=prompts)
-    p.add_argument("--prompt-set", choices=["held_out", "everyday"], default="held_out",
-                   help="held-out subjects of the drafter's training prompts, or everyday assistant requests")
+    p.add_argument("--prompts", type=int, default=prompts, help="how many of the prompt set (0: all of it)")
+    p.add_argument("--prompt-set", choices=PROMPT_SETS, default="held_out",
+                   help="held-out subjects of the drafter's training prompts, everyday assistant requests, or "
+                   "Spec-Bench's 480 first turns (any first n spread over its six categories)")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--json", help="also write the report as JSON here")
 
@@ -471,7 +506,11 @@ def build_parser() -> argparse.ArgumentParser:
     grpc_bench = bench.add_parser("grpc", help="tokens/s through the gRPC service, speculation on vs off")
     _service_args(grpc_bench, prompts=8)
     grpc_bench.add_argument("--plot", help="also write a PNG bar chart of the policies here")
-    grpc_bench.add_argument("--policies", help="comma-separated policy names to run (default: all; 'off' always runs)")
+    grpc_bench.add_argument("--policies", help="comma-separated policy names to run (default: all, or with --check "
+                            "the server default; 'off' always runs)")
+    grpc_bench.add_argument("--check", action="store_true",
+                            help="a regression run: record failed calls instead of stopping, compare every greedy "
+                            "answer with speculation off's, exit 1 on any error or difference")
     grpc_bench.set_defaults(fn=cmd_bench_grpc)
     load = bench.add_parser("load", help="throughput and latency percentiles under concurrent streams (closed and open loop)")
     _service_args(load, prompts=16)
@@ -494,7 +533,7 @@ def build_parser() -> argparse.ArgumentParser:
     soak_cmd.add_argument("--nodes", type=int, default=1, choices=[1, 3])
     soak_cmd.add_argument("--config", help="app config YAML of the local service (default: the built-in defaults)")
     soak_cmd.add_argument("--grpc-port", type=int, default=9100)
-    soak_cmd.add_argument("--prompt-set", choices=["held_out", "everyday"], default="held_out")
+    soak_cmd.add_argument("--prompt-set", choices=PROMPT_SETS, default="held_out")
     soak_cmd.add_argument("--json", help="also write the report as JSON here")
     soak_cmd.add_argument("--requests", type=int, default=500)
     soak_cmd.add_argument("--concurrency", type=int, default=32)

@@ -300,3 +300,16 @@ def leave(name: str = DEFAULT_APP_NAME) -> None:
             serve.delete(name, _blocking=True)
     finally:
         ray.shutdown()
+
+
+def handle(deployment: str, app: str = DEFAULT_APP_NAME):
+    """A handle to ``deployment`` that this driver (no event loop of its own) calls with ``.remote().result()``.
+
+    ``ray_env`` makes Serve route on the caller's event loop (RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP=0), which a
+    synchronous driver does not have: its handles route on a loop of their own."""
+    from ray import serve
+
+    found = serve.get_deployment_handle(deployment, app)
+    if not found.is_initialized:
+        found._init(_run_router_in_separate_loop=True)
+    return found

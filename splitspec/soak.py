@@ -108,13 +108,13 @@ def replica_stats(app: str, replicas_per_deployment: int = 2) -> dict[str, dict[
     the sessions) are each asked directly, through the session-affinity router; the others often enough that the
     router meets every replica."""
     import ray
-    from ray import serve
+    from splitspec import cluster
 
     from deployments.routing import pin
 
     out = {}
     for deployment in ("Prefill", "Draft", "Verify", "SpecDecodeIngress"):
-        handle = serve.get_deployment_handle(deployment, app)
+        handle = cluster.handle(deployment, app)
         if deployment in ("Draft", "Verify"):
             prefix = f"SERVE_REPLICA::{app}#{deployment}#"
             ids = [a["name"][len(prefix):] for a in ray.util.list_named_actors(all_namespaces=True)
@@ -232,13 +232,13 @@ def _settle(app: str, replicas_per_deployment: int, store_bound: int | None = No
 
 def _collect_garbage(app: str, stats: dict) -> int:
     """Ask every replica in ``stats`` to run Python's cycle collector; the objects it found, in all."""
-    from ray import serve
+    from splitspec import cluster
 
     from deployments.routing import pin
 
     found = 0
     for deployment, replicas in stats.items():
-        handle = serve.get_deployment_handle(deployment, app)
+        handle = cluster.handle(deployment, app)
         if deployment in ("Draft", "Verify"):
             found += sum(handle.options(session_id=pin(r)).collect_garbage.remote().result(timeout_s=60) for r in replicas)
         else:
