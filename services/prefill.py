@@ -126,22 +126,30 @@ class PrefillEngine:
             greedy=[call.params.greedy for _, call, *_ in checked],
         )  # per prompt: [1, vocab_size] ([1] argmax id if greedy), [rows, hidden]
         for (slot, call, ids, cache, feats), logits, chunk_features in zip(checked, all_logits, all_features):
-            if call.features:
-                feats.append(chunk_features.to(FEATURE_DTYPE))
-            done = call.start + len(ids)
-            if done < len(call.prompt_ids):
-                self._partial[call.request_id] = (cache, feats)
-                results[slot] = PrefillProgress(done)
-                continue
-            result = PrefillResult(
-                first_token=draw_first_token(logits, call.params),
-                payload=cache.export(self.target.fingerprint),
-                features=torch.cat(feats) if call.features else None,  # [n, hidden]
-            )
-            if self.prefix_cache is not None:
-                self.prefix_cache.insert(call.prompt_ids, result.payload, result.features)
-            results[slot] = result
+            try:
+                results[slot] = self._after_pass(call, ids, cache, feats, logits, chunk_features)
+            except Exception as exc:  # noqa: BLE001 - this prompt's step fails alone
+                self._partial.pop(call.request_id, None)
+                results[slot] = exc
         return results
+
+    def _after_pass(self, call: PrefillCall, ids: list[int], cache, feats: list[torch.Tensor], logits: torch.Tensor,
+                    chunk_features: torch.Tensor) -> PrefillResult | PrefillProgress:
+        """One prompt's outcome of a pass over its chunk ``ids``: its progress, or its first token and KV."""
+        if call.features:
+            feats.append(chunk_features.to(FEATURE_DTYPE))
+        done = call.start + len(ids)
+        if done < len(call.prompt_ids):
+            self._partial[call.request_id] = (cache, feats)
+            return PrefillProgress(done)
+        result = PrefillResult(
+            first_token=draw_first_token(logits, call.params),
+            payload=cache.export(self.target.fingerprint),
+            features=torch.cat(feats) if call.features else None,  # [n, hidden]
+        )
+        if self.prefix_cache is not None:
+            self.prefix_cache.insert(call.prompt_ids, result.payload, result.features)
+        return result
 
     def _lookup(self, call: PrefillCall) -> PrefixHit | None:
         """The longest prefix of the prompt the prefix cache holds (with features if the call asks for them)."""

@@ -16,6 +16,8 @@ The emitted tokens are then distributed exactly as the target's.
 Temperature, top-k and top-p are applied identically to p and q (the target's
 warped distribution is the one reproduced); temperature 0 is greedy, where p
 and q are one-hot and the rule reduces to "accept while the argmaxes agree".
+Any temperature > 0 samples, however small: near 0 the warped distribution is
+one-hot at the argmax (shared evenly by exact ties), never NaN.
 """
 
 from __future__ import annotations
@@ -98,7 +100,11 @@ def logits_to_probs(
         probs = torch.zeros_like(logits)
         probs.scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
         return probs
-    logits = logits / params.temperature
+    # in float64 (a float32 temperature below 1.4e-45 would round to 0), shifted so that each row's largest logit is
+    # 0 (softmax is shift-invariant): dividing by any temperature > 0, down to the smallest subnormal, gives 0 at
+    # the argmax and at worst -inf elsewhere, never inf - inf (NaN)
+    logits = logits.double()
+    logits = (logits - logits.amax(dim=-1, keepdim=True)) / params.temperature
     vocab_size = logits.shape[-1]
     if 0 < params.top_k < vocab_size:
         kth_value = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
@@ -112,7 +118,7 @@ def logits_to_probs(
         sorted_probs = sorted_probs.masked_fill(mass_before >= params.top_p, 0.0)
         probs = torch.zeros_like(probs).scatter_(-1, sorted_idx, sorted_probs)
         probs = probs / probs.sum(dim=-1, keepdim=True)
-    return probs
+    return probs.float()
 
 
 def sample(

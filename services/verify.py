@@ -153,36 +153,44 @@ class VerifyEngine:
         all_logits, all_features = self.runner.forward_batch(  # per session: [k + 1, V] ([k + 1] ids if greedy), [k + 1, hidden]
             chunks, greedy=greedy, last_only=prefilling, **({"trees": trees} if any(trees) else {}))
         for (slot, call, session, draft, tree), start, logits, features in zip(checked, starts, all_logits, all_features):
-            # (a greedy session's ``logits`` are the argmax ids of its rows [k + 1]: all that greedy verification reads)
-            if session.prefilling:
-                results[slot] = self._first_token(session, logits)
-                continue
-            # 2. exact accept / reject (services.sampling); a tree: the target's greedy path through it
-            if tree is not None:
-                path, bonus = tree.greedy_walk(draft, logits)
-                depth = max(tree.depths())
-                session.cache.keep(start, [0] + path)  # pending + the accepted path, in sequence
-                session.pending = bonus
-                accepted_features = features[[0] + path].to(FEATURE_DTYPE) if session.features else None
-                results[slot] = VerifyResult([int(draft[r - 1]) for r in path] + [bonus], len(path),
-                                             [True] * len(path) + [False] * (depth - len(path)), accepted_features, path)
-                continue
-            if session.params.greedy:
-                result = greedy_verify(draft, logits)
-            else:
-                p = logits_to_probs(logits, session.params)  # [k + 1, vocab_size]
-                q = call.draft_probs if call.draft_probs is not None else _one_hot(draft, p.shape[-1])  # [k, vocab_size]
-                result = speculative_sample(draft, q, p, session.generator)
-            # 3. keep KV of pending + accepted drafts; the new pending token is not in the KV yet
-            session.cache.crop(start + 1 + result.n_matches)
-            session.pending = result.token_ids[-1]
-            accepted_features = None
-            if session.features:
-                accepted_features = features[: 1 + result.n_matches].to(FEATURE_DTYPE)  # [n_matches + 1, hidden]
-            results[slot] = VerifyResult(result.token_ids, result.n_matches, result.accepted, accepted_features)
+            try:
+                results[slot] = self._verdict(call, session, draft, tree, start, logits, features)
+            except Exception as exc:  # noqa: BLE001 - this session's step fails alone; its rows of the pass are dropped
+                session.cache.crop(min(start, session.cache.seq_len))
+                results[slot] = exc
         for _, call, *_ in checked:
             self.sessions.enforce_limits(keep=call.request_id)
         return results
+
+    def _verdict(self, call: VerifyCall, session: VerifySession, draft: torch.Tensor, tree: DraftTree | None,
+                 start: int, logits: torch.Tensor, features: torch.Tensor) -> VerifyResult:
+        """One session's verdict from its rows of the pass (``logits``: [k + 1, V], or its argmax ids [k + 1] if
+        greedy; ``features`` [k + 1, hidden]); its KV then holds pending and the accepted drafts (from ``start``)."""
+        # (a greedy session's ``logits`` are the argmax ids of its rows [k + 1]: all that greedy verification reads)
+        if session.prefilling:
+            return self._first_token(session, logits)
+        # 2. exact accept / reject (services.sampling); a tree: the target's greedy path through it
+        if tree is not None:
+            path, bonus = tree.greedy_walk(draft, logits)
+            depth = max(tree.depths())
+            session.cache.keep(start, [0] + path)  # pending + the accepted path, in sequence
+            session.pending = bonus
+            accepted_features = features[[0] + path].to(FEATURE_DTYPE) if session.features else None
+            return VerifyResult([int(draft[r - 1]) for r in path] + [bonus], len(path),
+                                [True] * len(path) + [False] * (depth - len(path)), accepted_features, path)
+        if session.params.greedy:
+            result = greedy_verify(draft, logits)
+        else:
+            p = logits_to_probs(logits, session.params)  # [k + 1, vocab_size]
+            q = call.draft_probs if call.draft_probs is not None else _one_hot(draft, p.shape[-1])  # [k, vocab_size]
+            result = speculative_sample(draft, q, p, session.generator)
+        # 3. keep KV of pending + accepted drafts; the new pending token is not in the KV yet
+        session.cache.crop(start + 1 + result.n_matches)
+        session.pending = result.token_ids[-1]
+        accepted_features = None
+        if session.features:
+            accepted_features = features[: 1 + result.n_matches].to(FEATURE_DTYPE)  # [n_matches + 1, hidden]
+        return VerifyResult(result.token_ids, result.n_matches, result.accepted, accepted_features)
 
     @staticmethod
     def _first_token(session: VerifySession, logits: torch.Tensor) -> VerifyResult:  # [1, V] ([1] id if greedy)
