@@ -82,6 +82,11 @@ class ContinuousBatcher(Generic[C, R]):
             self._drainer = asyncio.create_task(self._drain())  # keep a reference: the loop holds tasks weakly
         return await future
 
+    @property
+    def queued(self) -> int:
+        """Calls waiting for a pass."""
+        return sum(not future.done() for _, future in self._queue)
+
     def expect(self, request_id: str) -> None:
         """A session will make its first call soon (it is being opened): the next pass waits for it (within the
         same bound) as for one the last pass answered."""

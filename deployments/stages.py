@@ -194,12 +194,13 @@ class _Stage:
 
     async def stats(self) -> dict:
         """This replica's sessions: open now, opened in all, KV bytes held; its batched passes: how many ran, and
-        the most sessions' calls one of them took; calls held by a fault (tests); its resident memory; its engine
+        the most sessions' calls one of them took, and the calls waiting for the next (``queued``); calls held by a fault (tests); its resident memory; its engine
         thread's niceness now, and how often load changed it (deployments.priority); the thread its methods run on
         (``loop_thread``: the replica's own event loop with config.replica_one_loop, else Serve's thread for them)."""
         sessions, kv_bytes = await self._run(self._session_counts)
         return {"replica_id": _identity()[0], "sessions": sessions, "opened": self.opened, "kv_bytes": kv_bytes,
-                "passes": self.batcher.passes, "largest_pass": self.batcher.largest_pass, "held": self.faults.held,
+                "passes": self.batcher.passes, "largest_pass": self.batcher.largest_pass, "queued": self.batcher.queued,
+                "held": self.faults.held,
                 "rss_bytes": rss_bytes(), "engine_nice": self.priority.current,
                 "engine_nice_switches": self.priority.switches, "loop_thread": threading.current_thread().name}
 
@@ -368,7 +369,7 @@ class Verify(_Stage):
     """Verify sessions of the target, opened from a prefill's KV reference and pinned to this replica."""
 
     stage = "verify"
-    fault_methods = ("open", "opened", "verify")
+    fault_methods = ("open", "opened", "verify", "pass")  # pass: a batched target pass, before it runs
 
     def __init__(self, config: dict, draft=None):
         super().__init__(config)
@@ -642,6 +643,7 @@ class Verify(_Stage):
     async def _verify_pass(self, calls: list[VerifyCall | ChainedCall]) -> list:
         """One target pass; with chained calls (``speculate`` with the local drafter), their proposals in one draft
         pass right before it, on the engine thread (services.chained)."""
+        await self.faults.point("pass")  # (tests: a held pass lets calls queue, so that the next one takes them all)
         proposals = [call.propose for call in calls if isinstance(call, ChainedCall)]
         if not proposals:
             return await self._run(self.engine.verify_batch, calls)

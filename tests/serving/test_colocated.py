@@ -80,9 +80,23 @@ def test_sampled_tokens_follow_the_target(client, default_pair, target_info):
     assert_second_token_follows_the_target(client, default_pair, target_info, SAMPLED_DRAWS)
 
 
+def _in_one_pass(jobs: list, run) -> list:
+    """``run(job)`` for every job at once, their calls gathered into one pass: the replica's next target pass holds
+    (a fault point) until at least half of the jobs' calls queue behind it, then goes on; their results."""
+    arm("Verify", "pass", "hold")
+    with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
+        futures = [pool.submit(run, job) for job in jobs]
+        try:
+            until("the jobs' calls queued behind the held pass", lambda: _stats("Verify")["queued"] >= len(jobs) // 2)
+        finally:
+            handle("Verify").release_fault.remote().result(timeout_s=60)
+        return [f.result() for f in futures]
+
+
 def test_concurrent_streams_share_draft_and_verify_passes(client, reference):
     """Eight concurrent speculating requests (pinned and adaptive k, EAGLE and the model drafter): each answer is the
-    one it gets alone, and the replica drafted and verified several sessions in one pass."""
+    one it gets alone, and the replica drafted and verified several sessions in one pass (the pass they share is
+    made: ``_in_one_pass``)."""
     mix = [dict(drafter="eagle", num_draft_tokens=1), dict(drafter="eagle", num_draft_tokens=3),
            dict(drafter="model", num_draft_tokens=2), dict(drafter="eagle", num_draft_tokens=0)]
     jobs = [(prompt, mix[i % len(mix)]) for i, prompt in enumerate(PROMPTS)]
@@ -91,12 +105,28 @@ def test_concurrent_streams_share_draft_and_verify_passes(client, reference):
         prompt, policy = job
         return _tokens(client.stream(messages=[("user", prompt)], max_new_tokens=MAX_NEW_TOKENS, speculate=True, **policy))
 
-    with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
-        answers = list(pool.map(run, jobs))
+    answers = _in_one_pass(jobs, run)
     for (prompt, policy), tokens in zip(jobs, answers):
         assert tokens == reference(prompt), (prompt, policy)
     stats = _stats("Verify")
     assert stats["largest_pass"] >= 2 and stats["draft_largest_pass"] >= 2, stats
+
+
+def test_tiny_temperatures_share_a_pass_with_greedy_streams(client, reference):
+    """Requests at temperatures 1e-38, 1e-30 and 1e-45 (where the softmax once gave NaN and failed the whole pass)
+    in one pass with greedy streams: every request is served, the greedy ones with their own answers, and the tiny
+    temperatures sample the argmax, which is the greedy answer too."""
+    jobs = [(prompt, 0.0) for prompt in PROMPTS[:3]] + [(prompt, t) for prompt, t in zip(PROMPTS[3:6], (1e-38, 1e-30, 1e-45))]
+
+    def run(job):
+        prompt, temperature = job
+        seed = 7 if temperature else None
+        return _tokens(client.stream(messages=[("user", prompt)], max_new_tokens=MAX_NEW_TOKENS, temperature=temperature,
+                                     seed=seed))
+
+    answers = _in_one_pass(jobs, run)
+    for (prompt, temperature), tokens in zip(jobs, answers):
+        assert tokens == reference(prompt), (prompt, temperature)
 
 
 def test_cancelled_stream_leaves_no_session(client):
