@@ -152,6 +152,10 @@ class Limits(_Strict):
         65536, ge=1, description="characters of a request's prompt, or of all its chat messages together; a longer one "
         "is INVALID_ARGUMENT before any tokenising (the model's context bounds the tokens)",
     )
+    max_request_bytes: int = Field(
+        4 * 2**20, ge=1024, description="bytes of an HTTP request body (the OpenAI API); a larger one is refused with "
+        "413 before it is read whole (gRPC messages: 4 MiB, gRPC's own limit, RESOURCE_EXHAUSTED)",
+    )
     max_messages: int = Field(256, ge=1, description="chat messages one request may carry")
     max_stop_chars: int = Field(256, ge=1, description="characters of one stop sequence (at most 8 of them)")
     default_max_new_tokens: int = Field(128, ge=1, description="max_new_tokens when a request leaves it unset")

@@ -6,7 +6,8 @@
 
 The routes are methods of ``SpecDecodeIngress`` (it inherits this mixin) and drive the same validation and loop as
 the gRPC methods; ``deployments.openai_protocol`` translates the JSON. Errors are OpenAI error JSON with their HTTP
-status (400 bad input, 401 no token, 404 unknown model, 429 full, 503 stage unavailable, 504 deadline).
+status (400 bad input, 401 no token, 404 unknown model, 413 body over limits.max_request_bytes, 429 full, 503 stage
+unavailable, 504 deadline).
 """
 
 from __future__ import annotations
@@ -22,9 +23,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from deployments import api
 from deployments import openai_protocol as protocol
-from deployments.status import ModelNotFoundError, to_status
+from deployments.status import ModelNotFoundError, RequestTooLargeError, to_status
 
-http_app = FastAPI(title="splitspec", version="v1", summary="OpenAI-compatible API of splitspec's speculative decoding")
+# no /docs, /redoc or /openapi.json: they would answer without the bearer token (api.md documents the API)
+http_app = FastAPI(title="splitspec", version="v1", summary="OpenAI-compatible API of splitspec's speculative decoding",
+                   docs_url=None, redoc_url=None, openapi_url=None)
 CHAT, TEXT = "ChatCompletions", "Completions"  # their `method` label in splitspec_requests
 # a client's request id (as vLLM takes it), else one made up; Serve's proxy echoes the header in the response
 REQUEST_ID_HEADER = "x-request-id"
@@ -72,7 +75,7 @@ class OpenAIRoutes:
         try:
             self._authenticate(request.headers.items())
             body = protocol.parse_body(protocol.ChatCompletionRequest if chat else protocol.CompletionRequest,
-                                       await request.body())
+                                       await _body(request, self.config.limits.max_request_bytes))
             self._check_model(body.model)
             message = protocol.generate_request(body, request.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex)
             plan = await asyncio.get_running_loop().run_in_executor(self._tokenizing, self._plan, message)
@@ -130,6 +133,23 @@ class OpenAIRoutes:
                                      "(GET /v1/models)")
 
 
+async def _body(request: Request, limit: int) -> bytes:
+    """The request's body, read as it arrives: one over ``limit`` bytes is refused (413) as soon as its
+    Content-Length or its bytes so far say so, without buffering the rest."""
+    too_large = RequestTooLargeError(f"the request body is larger than this server's limit of {limit} bytes "
+                                     "(limits.max_request_bytes)")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_large
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
 def _event(data: dict) -> str:
     return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"
 
@@ -144,4 +164,6 @@ def _error(exc: Exception, metrics=None, method: str = "") -> tuple[int, dict]:
 
 def _error_response(exc: Exception, metrics=None, method: str = "") -> JSONResponse:
     status, body = _error(exc, metrics, method)
+    if isinstance(exc, RequestTooLargeError):  # (RESOURCE_EXHAUSTED would be 429: retrying will not help)
+        status, body = 413, {"error": body["error"] | {"type": "invalid_request_error", "code": 413}}
     return JSONResponse(body, status_code=status)

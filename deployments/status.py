@@ -33,6 +33,10 @@ class UnauthenticatedError(SplitspecError):
     """The call did not carry the service's bearer token (deployments.auth)."""
 
 
+class RequestTooLargeError(SplitspecError):
+    """A request body over ``limits.max_request_bytes`` (HTTP 413; gRPC's own limit answers RESOURCE_EXHAUSTED)."""
+
+
 class ModelNotFoundError(SplitspecError):
     """An OpenAI API request names a model this server does not serve (NOT_FOUND: HTTP 404, as OpenAI answers)."""
 
@@ -58,6 +62,8 @@ def to_status(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.NOT_FOUND, str(exc)
     if isinstance(exc, InvalidRequestError):
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+    if isinstance(exc, RequestTooLargeError):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
     if isinstance(exc, CapacityError):
         return grpc.StatusCode.RESOURCE_EXHAUSTED, f"{exc}; retry later"
     if isinstance(exc, BackPressureError):

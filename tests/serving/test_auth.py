@@ -81,3 +81,11 @@ def test_http_calls_with_the_token_are_served(service):
         answer = oai.chat.completions.create(model=oai.models.list().data[0].id, max_tokens=4, temperature=0,
                                              messages=[{"role": "user", "content": PROMPTS[0]}])
     assert answer.usage.completion_tokens == 4
+
+
+def test_no_api_docs_are_served_around_the_token(service):
+    """FastAPI's /docs, /redoc and /openapi.json would answer without the token: they are off."""
+    base = service.http_base_url.removesuffix("/v1")
+    for path in ("/docs", "/redoc", "/openapi.json", "/docs/oauth2-redirect"):
+        for headers in ({}, {"authorization": f"Bearer {TOKEN}"}):
+            assert httpx.get(base + path, headers=headers, timeout=60).status_code == 404, path

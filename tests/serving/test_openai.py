@@ -161,3 +161,22 @@ def test_request_id_header_and_health(client):
     assert response.json()["id"] == "cmpl-my-request-7"
     health = httpx.get(client.http_base_url.removesuffix("/v1") + "/health", timeout=60)
     assert health.status_code == 200 and health.json() == {"status": "SERVING"}
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["content-length", "chunked"])
+def test_a_body_over_the_limit_is_413_and_the_service_goes_on(client, oai, chunked):
+    """A body over limits.max_request_bytes (4 MiB) is refused with 413 and OpenAI error JSON, whether its
+    Content-Length says so or its chunks do (read as they arrive, never buffered whole); the next request is served."""
+    from deployments.config import Limits
+
+    limit = Limits().max_request_bytes
+    padding = b" " * (limit + 1)  # (whitespace: valid JSON once the object follows, so only the size is wrong)
+    raw = padding + b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}'
+    content = (raw[i : i + 2**16] for i in range(0, len(raw), 2**16)) if chunked else raw
+    response = httpx.post(f"{client.http_base_url}/chat/completions", content=content, timeout=120,
+                          headers={"content-type": "application/json"})
+    assert response.status_code == 413
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["code"] == 413
+    assert f"limit of {limit} bytes" in error["message"] and "max_request_bytes" in error["message"]
+    assert chat(oai, "hi", temperature=0, max_tokens=2).usage.completion_tokens == 2
