@@ -193,17 +193,18 @@ def cmd_serve(args) -> int:
         direct = local is not None and cluster.direct_ingress_fits(config)
         config = config.model_copy(update={"direct_ingress": direct})
         if not stopper.requested.is_set():
-            proxy_port = cluster.start_serve(args.grpc_port, args.http_port, direct_ingress=direct)
+            proxy_port = cluster.start_serve(args.grpc_port, args.http_port, direct_ingress=direct, host=args.host)
             if proxy_port is not None:
                 print(f"direct ingress: the ingress replica serves the ports (Serve's proxy, unused, on gRPC port "
                       f"{proxy_port})", flush=True)
             print(f"deploying {args.app_name!r} ({args.nodes if local else 'existing'} node cluster); models load in the "
                   "replicas ...", flush=True)
         if not stopper.requested.is_set() and cluster.deploy(config, name=args.app_name, stop=stopper.requested):
-            print(f"splitspec is serving gRPC on 127.0.0.1:{args.grpc_port} (service splitspec.v1.SpecDecode)", flush=True)
-            print(f"and the OpenAI-compatible API on http://127.0.0.1:{args.http_port}/v1", flush=True)
+            print(f"splitspec is serving gRPC on port {args.grpc_port} (service splitspec.v1.SpecDecode)", flush=True)
+            print(f"and the OpenAI-compatible API on http://{args.host}:{args.http_port}/v1", flush=True)
             if config.auth.token_sha256:
                 print("every call must carry the bearer token (authorization metadata)", flush=True)
+            _print_listeners(args, local, bool(config.auth.token_sha256))
             if local is not None and local.dashboard_url:
                 print(f"Ray dashboard: http://{local.dashboard_url}", flush=True)
             print("Ctrl-C stops it.", flush=True)
@@ -225,6 +226,24 @@ def cmd_serve(args) -> int:
         stopper.finish()
     print("stopped.", flush=True)
     return code
+
+
+def _print_listeners(args, local, token: bool) -> None:
+    """What the service actually listens on (splitspec.network), and a warning when that reaches beyond loopback."""
+    from splitspec import network
+
+    if local is None:  # someone else's cluster: its nodes are not ours to inspect
+        lines = [f"on that cluster, Ray 2.60's Serve binds gRPC port {args.grpc_port} (and its replicas' gRPC servers) "
+                 "on all interfaces of its nodes"]
+        warnings = [] if token else ["WARNING: no authentication: anyone who can reach the cluster's nodes can call "
+                                     "the service; set SPLITSPEC_AUTH_TOKEN or --auth-token-file"]
+    else:
+        found = network.listeners(network.cluster_processes(local.session_dir))
+        lines, warnings = network.report(found, grpc_port=args.grpc_port, http_port=args.http_port, token=token)
+    for line in lines:
+        print(line, flush=True)
+    for warning in warnings:
+        print(warning, file=sys.stderr, flush=True)
 
 
 def cmd_generate(args) -> int:
@@ -555,7 +574,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--address", help="deploy onto this existing Ray cluster (e.g. auto) with the config's placement")
     serve.add_argument("--grpc-port", type=int, default=9000)
     serve.add_argument("--http-port", type=int, default=8000,
-                       help="port of the OpenAI-compatible HTTP API (/v1/chat/completions, ...) on 127.0.0.1")
+                       help="port of the OpenAI-compatible HTTP API (/v1/chat/completions, ...)")
+    serve.add_argument("--host", default="127.0.0.1",
+                       help="address the HTTP API binds (0.0.0.0: every interface). Ray 2.60's Serve binds its gRPC "
+                       "ports on all interfaces whatever this says: `splitspec serve` prints what it bound and warns")
     serve.add_argument("--auth-token-file", help=f"require this bearer token on every call (default: ${auth.TOKEN_ENV}, "
                        "if set; none = no authentication)")
     serve.add_argument("--app-name", default="splitspec")

@@ -188,9 +188,11 @@ class LocalCluster:
         self.stop()
 
 
-def start_serve(grpc_port: int = DEFAULT_GRPC_PORT, http_port: int = 0, *, direct_ingress: bool = False) -> int | None:
+def start_serve(grpc_port: int = DEFAULT_GRPC_PORT, http_port: int = 0, *, direct_ingress: bool = False,
+                host: str = LOCAL_HOST) -> int | None:
     """Start Serve: splitspec's gRPC service on ``grpc_port`` and the OpenAI-compatible HTTP API on
-    127.0.0.1:``http_port`` (0: a free port, for benchmarks that do not use it), served by Serve's proxy.
+    ``host``:``http_port`` (0: a free port, for benchmarks that do not use it), served by Serve's proxy. (Ray 2.60
+    binds the gRPC port on all interfaces, whatever the host: splitspec.network.)
 
     ``direct_ingress``: the ingress replica serves both ports itself (Serve's direct ingress; deploy with
     ``config.direct_ingress``), so every token skips the proxy. Serve still starts its proxy on the head node (its
@@ -218,7 +220,7 @@ def start_serve(grpc_port: int = DEFAULT_GRPC_PORT, http_port: int = 0, *, direc
         http_port = free_port()
     serve.start(
         proxy_location="HeadOnly",  # one proxy, on the head node: the gRPC port opens once
-        http_options={"host": LOCAL_HOST, "port": http_port},
+        http_options={"host": host, "port": http_port},
         grpc_options=gRPCOptions(port=grpc_port, grpc_servicer_functions=GRPC_SERVICERS),
         **options,
     )

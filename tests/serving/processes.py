@@ -14,10 +14,11 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
+
+from splitspec import network
 
 BIN = Path(sys.executable).parent
 SERVING = "is serving gRPC"
@@ -109,8 +110,7 @@ class ServeProcess:
         self.proc.wait(timeout=10)
 
 
-LOOPBACK = {"127.0.0.1", "::1", "::ffff:127.0.0.1"}
-# Ray 2.60's Serve binds these on all interfaces whatever the node address (README, "Network exposure"):
+# Ray 2.60's Serve binds these on all interfaces whatever the node address (splitspec.network):
 # the gRPC proxy's port, and each replica's inter-deployment gRPC server ("[::]:0" in serve/_private/replica.py).
 PROXY_PROCESS = "ray::ProxyActor"
 REPLICA_PROCESS_PREFIX = "ray::ServeReplica"
@@ -124,26 +124,12 @@ def proxy_port(serve_log: str, grpc_port: int) -> int:
     return int(found.group(1)) if found else grpc_port
 
 
-def _listening(procs: list[psutil.Process]) -> Iterator[tuple[psutil.Process, str, tuple]]:
-    """(process, its name, local address) of every listening inet socket of ``procs``."""
-    for proc in procs:
-        try:
-            name = proc.name()
-            conns = proc.net_connections(kind="inet")
-        except psutil.Error:
-            continue
-        for conn in conns:
-            if conn.status == psutil.CONN_LISTEN:
-                yield proc, name, conn.laddr
-
-
 def listeners(procs: list[psutil.Process], port: int) -> list[str]:
     """The names of the processes listening on ``port`` (any address), each process once."""
-    return list({proc.pid: name for proc, name, laddr in _listening(procs) if laddr.port == port}.values())
+    return list({l.pid: l.process for l in network.listeners(procs) if l.port == port}.values())
 
 
 def exposed_sockets(procs: list[psutil.Process], grpc_port: int) -> list[str]:
     """'name pid ip:port' of every listening socket beyond loopback, other than the two that Ray 2.60 fixes."""
-    return [f"{name} {proc.pid} {laddr.ip}:{laddr.port}" for proc, name, laddr in _listening(procs)
-            if laddr.ip not in LOOPBACK and not (name == PROXY_PROCESS and laddr.port == grpc_port)
-            and not name.startswith(REPLICA_PROCESS_PREFIX)]
+    return [str(l) for l in network.listeners(procs) if l.beyond_loopback
+            and not (l.process == PROXY_PROCESS and l.port == grpc_port) and not l.process.startswith(REPLICA_PROCESS_PREFIX)]
