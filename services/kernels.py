@@ -132,11 +132,16 @@ def decoder_layers():
     return getattr(_kernels(), "decoder_layers", None)  # (None too in an earlier build without it: benchmarks)
 
 
+NO_GREEDY_HEAD_ENV = "SPLITSPEC_NO_GREEDY_HEAD"  # set: greedy_head() is None, as where it is not built
+
+
 def greedy_head():
     """``(x [m, in], pack_screen(w), pack_weight(w), row_norms(w), out) -> (ids [m], candidates [m])``: per row the
     argmax of ``x @ w.T`` as ``skinny_gemm``'s float32 logits give it, through a bfloat16 screen and the exact
     logits of its few candidates (``csrc/greedy_head.cpp``; -1 for a row with a value that is not finite), or None
-    where it is not built (no AVX512_BF16) or the kernels are unavailable."""
+    where it is not built (no AVX512_BF16), the kernels are unavailable, or ``SPLITSPEC_NO_GREEDY_HEAD`` is set."""
+    if os.environ.get(NO_GREEDY_HEAD_ENV):  # (tests: the path of a CPU without AVX512_BF16, on any CPU)
+        return None
     module = _kernels()
     built = module is not None and getattr(module, "greedy_head_built", lambda: False)()
     return module.greedy_head if built else None

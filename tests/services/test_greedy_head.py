@@ -1,6 +1,10 @@
 """kernels.greedy_head and FastLlamaRunner.argmax: a greedy row's argmax through a bfloat16 screen is the argmax of
 the float32 logits that kernels.skinny_gemm computes — on flat and peaked rows, exact ties and 1-ulp near-ties, odd
-widths, up to 32 rows — and a greedy session's pass gives the same ids as its logits would."""
+widths, up to 32 rows — and a greedy session's pass gives the same ids as its logits would.
+
+The kernel is built on AVX512_BF16 CPUs only; elsewhere ``argmax`` takes the logits' argmax. The pass-level tests run
+that path on every CPU (``SPLITSPEC_NO_GREEDY_HEAD`` forces it), and the kernel's too where it is built, so that CI
+checks greedy ids whatever its CPU."""
 
 import pytest
 import torch
@@ -9,7 +13,16 @@ from services import kernels
 from services.fast_llama import FastLlamaRunner
 from services.runner import make_runner
 
-pytestmark = pytest.mark.skipif(kernels.greedy_head() is None, reason="greedy_head is built on AVX512_BF16 CPUs only")
+needs_kernel = pytest.mark.skipif(kernels.greedy_head() is None, reason="greedy_head is built on AVX512_BF16 CPUs only")
+PATHS = [pytest.param("kernel", marks=needs_kernel), "logits"]
+
+
+@pytest.fixture(params=PATHS)
+def path(request, monkeypatch):
+    """The greedy ids' path of runners made in the test: the kernel, or the logits' argmax (a CPU without it)."""
+    if request.param == "logits":
+        monkeypatch.setenv(kernels.NO_GREEDY_HEAD_ENV, "1")
+    return request.param
 
 
 def _argmax(x, weight):
@@ -21,6 +34,7 @@ def _argmax(x, weight):
 
 @pytest.mark.parametrize("rows", [1, 2, 7, 12, 13, 32])
 @pytest.mark.parametrize("inputs", [136, 135])  # (an odd width: the last pair half zero)
+@needs_kernel
 def test_the_argmax_of_the_skinny_logits_flat_and_peaked(rows, inputs):
     gen = torch.Generator().manual_seed(rows * 1000 + inputs)
     weight = torch.randn(3001, inputs, generator=gen) * 0.05
@@ -33,6 +47,7 @@ def test_the_argmax_of_the_skinny_logits_flat_and_peaked(rows, inputs):
     assert int(counts.max()) < 50  # (the peaked rows: a few candidates, not the vocabulary)
 
 
+@needs_kernel
 def test_the_same_ids_with_several_torch_threads():
     """The screen's panels split across torch's threads (at::parallel_for): the same ids as with one."""
     gen = torch.Generator().manual_seed(11)
@@ -48,6 +63,7 @@ def test_the_same_ids_with_several_torch_threads():
     assert torch.equal(two[0], one[0]) and torch.equal(two[0], one[2]) and torch.equal(two[1], one[1])
 
 
+@needs_kernel
 def test_exact_ties_go_to_the_first_and_one_ulp_decides():
     """Two equal rows of the weight: torch.argmax's first of the largest. Rows a few ulps apart: the float32 logits
     decide (the screen cannot tell them apart)."""
@@ -64,6 +80,7 @@ def test_exact_ties_go_to_the_first_and_one_ulp_decides():
         assert torch.equal(ids, expected) and int(counts[0]) >= 2
 
 
+@needs_kernel
 def test_a_row_that_is_not_finite_or_too_large_is_left_to_the_logits(tiny):
     gen = torch.Generator().manual_seed(3)
     weight = torch.randn(300, 32, generator=gen)
@@ -83,14 +100,14 @@ def test_a_row_that_is_not_finite_or_too_large_is_left_to_the_logits(tiny):
     assert torch.equal(runner.argmax(features), runner._head(features).argmax(-1))
 
 
-def test_greedy_chunks_get_their_logits_argmax_in_a_mixed_pass(tiny):
+def test_greedy_chunks_get_their_logits_argmax_in_a_mixed_pass(tiny, path):
     """forward_batch(greedy=...): greedy sequences, a tree and a sampled session in one pass, and prefill's
     last rows: each greedy chunk's ids are its logits' argmax, the others' logits unchanged."""
     from services.tree import DraftTree
 
     target, _ = tiny
     runner = make_runner(target)
-    assert isinstance(runner, FastLlamaRunner) and runner._greedy_screen() is not None
+    assert isinstance(runner, FastLlamaRunner) and (runner._greedy_screen() is not None) == (path == "kernel")
     gen = torch.Generator().manual_seed(5)
     prompts = [torch.randint(0, target.vocab_size, (n,), generator=gen) for n in (9, 14, 5, 6)]
     rows = [torch.randint(0, target.vocab_size, (n,), generator=gen) for n in (1, 4, 7, 3)]
@@ -111,6 +128,7 @@ def test_greedy_chunks_get_their_logits_argmax_in_a_mixed_pass(tiny):
         assert all(torch.equal(a, b) for a, b in zip(features, same_features))
 
 
+@needs_kernel
 def test_default_targets_greedy_decoding_is_unchanged(default_pair):
     """The default target decoding greedily, every step's id through the screen and through the full logits."""
     target, _ = default_pair
@@ -124,3 +142,22 @@ def test_default_targets_greedy_decoding_is_unchanged(default_pair):
         candidates.append(int(counts[0]))
         token = ids
     assert sorted(candidates)[len(candidates) // 2] <= 8, candidates  # (a handful: the screen pays)
+
+
+def test_greedy_speculation_equals_the_target_alone(tiny, path):
+    """Engines made on this path (prefill's first token, the verifier's ids, the drafter's): greedy output with
+    drafts is the target's own."""
+    from services.draft import DraftEngine
+    from services.loop import generate
+    from services.prefill import PrefillEngine
+    from services.sampling import SamplingParams
+    from services.verify import VerifyEngine
+    from tests.conftest import greedy_reference
+
+    target, draft = tiny
+    engines = PrefillEngine(target), DraftEngine(draft), VerifyEngine(target)
+    assert (engines[2].runner._greedy_screen() is not None) == (path == "kernel")
+    for prompt in ([1, 5, 7, 9], [1, 30, 31, 32, 33]):
+        result = generate(*engines, prompt, max_new_tokens=24, num_draft_tokens=3, params=SamplingParams(),
+                          drafter="model", tree_width=3)
+        assert result.token_ids == greedy_reference(target.model, prompt, 24)
