@@ -283,9 +283,11 @@ class FastLlamaRunner:
         trees: list | None = None,  # per chunk: a services.tree.DraftTree over its rows, or None (a sequence)
         greedy: list[bool] | None = None,  # per chunk: its argmax ids [n_i or 1] instead of its logits
     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:  # per sequence: logits [n_i or 1, vocab_size], features [n_i, hidden]
-        """One pass over several sequences' chunks (ragged rows): every weight is read once for all of them.
+        """One pass over several sequences' chunks (ragged rows): every weight is read once for all of them (for each
+        group of up to ``SKINNY_MAX_ROWS`` rows: ``kernels.row_groups``).
 
-        Each sequence attends only to its own KV; a row's logits are what ``forward`` gives for its chunk alone.
+        Each sequence attends only to its own KV; a row's logits are what ``forward`` gives for its chunk alone, the
+        same bits however many rows the pass has.
         ``last_only``: logits of each chunk's last row only (prefill); a list: per chunk. A chunk with a tree: each row attends to the
         cached KV and its own ancestors, at the position of its depth (its K/V are appended in row order; keep the
         accepted path with ``DenseKVCache.keep``). ``greedy``: those chunks get the argmax of each row's logits
@@ -294,6 +296,16 @@ class FastLlamaRunner:
         apart (a BLAS GEMM over many rows may round a near-tie otherwise than over some of them).
         """
         sizes = [ids.shape[0] for ids, _ in chunks]
+        if len(groups := kernels.row_groups(sizes)) > 1:  # over SKINNY_MAX_ROWS rows: group by group (row_groups)
+            out_logits, out_features = [None] * len(chunks), [None] * len(chunks)
+            last = last_only if isinstance(last_only, list) else [last_only] * len(chunks)
+            for group in groups:
+                pick = lambda values: None if values is None else [values[i] for i in group]  # noqa: E731
+                logits, features = self.forward_batch([chunks[i] for i in group], last_only=pick(last),
+                                                      trees=pick(trees), greedy=pick(greedy))
+                for i, chunk_logits, chunk_features in zip(group, logits, features):
+                    out_logits[i], out_features[i] = chunk_logits, chunk_features
+            return out_logits, out_features
         features = self._rms_norm(self._layers(chunks, trees), self.norm)  # [N, hidden], N = sum(sizes)
         per_chunk = list(features.split(sizes))
         last = last_only if isinstance(last_only, list) else [last_only] * len(chunks)

@@ -463,8 +463,23 @@ def _norm(x, norm: RMSNorm):
 @torch.inference_mode()
 def run_rows(batch: list[Rows]) -> list[torch.Tensor]:
     """One pass of the head over the rows of several sessions (ragged, each attending to its own K/V): every
-    weight is read once for all of them. Returns each session's logits over the kept ids for its last row, [N],
-    and moves each session on (its context or chain grows, its next feature is set)."""
+    weight is read once for all of them (for each group of up to ``SKINNY_MAX_ROWS`` rows: ``kernels.row_groups``,
+    so a session's logits are the same bits however many rows share its pass). Returns each session's logits over
+    the kept ids for its last row, [N], and moves each session on (its context or chain grows, its next feature is
+    set)."""
+    from services import kernels
+
+    groups = kernels.row_groups([len(r.tokens) for r in batch])
+    if len(groups) > 1:
+        out = [None] * len(batch)
+        for group in groups:
+            for i, logits in zip(group, _run_group([batch[i] for i in group])):
+                out[i] = logits
+        return out
+    return _run_group(batch)
+
+
+def _run_group(batch: list[Rows]) -> list[torch.Tensor]:
     head = batch[0].session.head
     lin = HeadLinears.of(head)
     H, Hk, d = head.num_heads, head.num_kv_heads, head.head_dim
