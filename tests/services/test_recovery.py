@@ -19,13 +19,13 @@ NEW_TOKENS = 24
 PARAMS = SamplingParams()
 
 
-def _run(engines, prompt, drafter, *, lose_verify_at=(), lose_draft_at=None, resume_draft_at=None):
+def _run(engines, prompt, drafter, *, lose_verify_at=(), lose_draft_at=None, resume_draft_at=None, params=PARAMS):
     """Decode ``prompt`` with k = 2, losing the verify session before the verify calls numbered in ``lose_verify_at``,
     and the draft session at proposal ``lose_draft_at``, opening a fresh one after step ``resume_draft_at``."""
     prefill, draft, verify = engines
-    handoff = prefill.prefill(prompt, PARAMS)
-    verify.open("r", handoff.payload, handoff.first_token, PARAMS)
-    draft.start("r", prompt, PARAMS, drafter)
+    handoff = prefill.prefill(prompt, params)
+    verify.open("r", handoff.payload, handoff.first_token, params)
+    draft.start("r", prompt, params, drafter)
     loop = SpeculativeLoop(handoff.first_token, max_new_tokens=NEW_TOKENS, eos=prefill.target.eos_token_ids,
                            num_draft_tokens=2, drafting=True)
     tokens, drafted_per_step, results, proposals, verifies, steps = [], [], None, 0, 0, 0
@@ -37,7 +37,7 @@ def _run(engines, prompt, drafter, *, lose_verify_at=(), lose_draft_at=None, res
                 drafted_per_step.append(item.n_drafted)
                 steps += 1
                 if steps == resume_draft_at:
-                    draft.start("r", prompt + tokens[:-1], PARAMS, drafter)
+                    draft.start("r", prompt + tokens[:-1], params, drafter)
                     loop.resume_drafting()
                 continue
             results = Results()
@@ -53,8 +53,9 @@ def _run(engines, prompt, drafter, *, lose_verify_at=(), lose_draft_at=None, res
                 verifies += 1
                 if verifies in lose_verify_at:
                     verify.close("r")
-                    again = prefill.prefill(prompt + tokens[:-1], PARAMS)  # on a live prefill replica
-                    verify.open("r", again.payload, tokens[-1], PARAMS)
+                    reopened = reseeded(params, len(tokens))  # as the ingress reopens it
+                    again = prefill.prefill(prompt + tokens[:-1], reopened)  # on a live prefill replica
+                    verify.open("r", again.payload, tokens[-1], reopened)
                 results.verdict = verify.verify("r", item.verify.draft_ids, item.verify.probs)
     finally:
         verify.close("r")
@@ -90,6 +91,25 @@ def test_resume_is_ignored_while_drafting(tiny, tiny_engines):
     prompt = PROMPTS[0]
     tokens, drafted = _run(tiny_engines, prompt, "model", resume_draft_at=10**9)
     assert tokens == greedy_reference(target.model, prompt, NEW_TOKENS)
+
+
+def test_a_seed_repeats_its_answer_on_the_same_path_only(tiny, tiny_engines):
+    """What a seed guarantees (README, "Seeded sampling"): every draw comes from the request's seeded streams in
+    order, so the same seed gives the same answer on the same path — the same proposals, the same fallback point,
+    the same recovery point. A fallback (drafting off after a draft failure: a stage timeout, a full drafter) or a
+    recovery changes which draws are made: the answer still follows the target's distribution (the test below),
+    but need not repeat — shown here, so that the README's word stays honest."""
+    paths = {"as planned": {}, "draft lost at proposal 2": dict(lose_draft_at=2),
+             "verify replica lost at step 3": dict(lose_verify_at=(3,))}
+    differs = False
+    for seed in range(4):
+        params = SamplingParams(temperature=1.0, seed=seed)
+        answers = {}
+        for name, faults in paths.items():
+            answers[name], _ = _run(tiny_engines, PROMPTS[0], "model", params=params, **faults)
+            assert _run(tiny_engines, PROMPTS[0], "model", params=params, **faults)[0] == answers[name], (seed, name)
+        differs = differs or len({tuple(a) for a in answers.values()}) > 1
+    assert differs, "no fault changed a seeded answer: the README's caveat would be moot"
 
 
 DRAWS = 3000
