@@ -157,11 +157,15 @@ def _load_config(path: str | None):
     return AppConfig.model_validate(data)
 
 
+STARTING = "splitspec serve is starting"  # printed once a stop is handled: from then on Ctrl-C / SIGTERM stop it
+
+
 def cmd_serve(args) -> int:
     from splitspec import stopping
 
     # Own Ctrl-C / SIGTERM first (before the heavy imports): a stop asked for during start-up is bounded too.
     stopper = stopping.Stopper(args.stop_timeout).install()
+    print(f"{STARTING} (Ctrl-C stops it, at any point)", flush=True)
     from splitspec import cluster
     from splitspec.v1 import splitspec_pb2  # noqa: F401 - fail here, not in the proxy, if the stubs are broken
 

@@ -1,4 +1,7 @@
-"""ContinuousBatcher: who joins which pass (pure asyncio, a fake pass that records its calls)."""
+"""ContinuousBatcher: who joins which pass (pure asyncio, a fake pass that records its calls).
+
+The tests wait for states, not for time: "a pass is running" is ``running(engine)`` (its calls recorded), and a pass
+that must outlast the calls arriving during it holds until the test opens its gate."""
 
 import asyncio
 from dataclasses import dataclass
@@ -17,12 +20,15 @@ class Call:
 class Engine:
     """A pass that takes ``seconds`` and records the request ids of each pass."""
 
-    def __init__(self, seconds: float = 0.05, fail: set[str] = frozenset(), crash: bool = False):
+    def __init__(self, seconds: float = 0.05, fail: set[str] = frozenset(), crash: bool = False, gated: bool = False):
         self.passes: list[list[str]] = []
         self.seconds, self.fail, self.crash = seconds, fail, crash
+        self.gate = asyncio.Event() if gated else None  # gated: every pass holds until the gate opens
 
     async def run_pass(self, calls):
         self.passes.append([c.request_id for c in calls])
+        if self.gate is not None:
+            await self.gate.wait()
         await asyncio.sleep(self.seconds)
         if self.crash:
             raise RuntimeError("pass failed")
@@ -33,14 +39,30 @@ def run(coro):
     return asyncio.run(coro)
 
 
+async def running(engine: Engine, passes: int = 1) -> None:
+    """Until ``passes`` passes have started."""
+    while len(engine.passes) < passes:
+        await asyncio.sleep(0)
+
+
+async def queued(tasks: list) -> None:
+    """Let new submit tasks run up to their wait (each call is in the queue then)."""
+    for _ in range(len(tasks) + 1):
+        await asyncio.sleep(0)
+
+
 def during_a_pass(engine: Engine, calls: list[Call], max_rows: int = 32) -> list:
-    """Submit "a", then ``calls`` while its pass runs; every result (or exception) in order, "a"'s first."""
+    """Submit "a", then ``calls`` while its pass runs (held until they queued); every result (or exception) in
+    order, "a"'s first."""
+    engine.gate = asyncio.Event()
 
     async def main():
         batcher = ContinuousBatcher(engine.run_pass, max_rows=max_rows)
         first = asyncio.create_task(batcher.submit(Call("a")))
-        await asyncio.sleep(0.01)  # "a" is running now
+        await running(engine)
         rest = [asyncio.create_task(batcher.submit(call)) for call in calls]
+        await queued(rest)
+        engine.gate.set()
         return await asyncio.gather(first, *rest, return_exceptions=True)
 
     return run(main())
@@ -101,13 +123,15 @@ def test_a_cancelled_caller_is_dropped_from_the_queue():
     engine = Engine()
 
     async def main():
+        engine.gate = asyncio.Event()
         batcher = ContinuousBatcher(engine.run_pass, max_rows=32)
         first = asyncio.create_task(batcher.submit(Call("a")))
-        await asyncio.sleep(0.01)
+        await running(engine)
         gone = asyncio.create_task(batcher.submit(Call("gone")))
         kept = asyncio.create_task(batcher.submit(Call("kept")))
-        await asyncio.sleep(0)
+        await queued([gone, kept])
         gone.cancel()
+        engine.gate.set()
         return await asyncio.gather(first, kept)
 
     assert run(main()) == ["ok a", "ok kept"]
@@ -125,9 +149,13 @@ def test_sessions_answered_by_a_pass_come_back_into_one_pass():
             await batcher.submit(Call(name))
             await asyncio.sleep(0.005)  # the hop back to the caller and its next call
 
+    async def late(batcher, name):  # starts once "a"'s first pass runs
+        await running(engine)
+        await session(batcher, name, 0.0)
+
     async def main():
         batcher = ContinuousBatcher(engine.run_pass, max_rows=32, gather_fraction=2.0, gather_max_s=1.0)
-        await asyncio.gather(session(batcher, "a", 0.0), session(batcher, "b", 0.01), session(batcher, "c", 0.01))
+        await asyncio.gather(session(batcher, "a", 0.0), late(batcher, "b"), late(batcher, "c"))
 
     run(main())
     assert engine.passes[0] == ["a"]
@@ -139,10 +167,13 @@ def test_a_closed_session_is_not_waited_for():
     engine = Engine(seconds=0.05)
 
     async def main():
+        engine.gate = asyncio.Event()
         batcher = ContinuousBatcher(engine.run_pass, max_rows=32, gather_fraction=100.0, gather_max_s=30.0)
         first = asyncio.create_task(batcher.submit(Call("a")))
-        await asyncio.sleep(0.01)
+        await running(engine)
         second = asyncio.create_task(batcher.submit(Call("b")))
+        await queued([second])
+        engine.gate.set()
         await first
         batcher.forget("a")  # "a" closed: "b" need not wait for it
         return await asyncio.wait_for(second, timeout=5.0)
@@ -159,7 +190,7 @@ def test_an_expected_session_joins_the_next_pass():
     async def main():
         batcher = ContinuousBatcher(engine.run_pass, max_rows=32, gather_fraction=1.0, gather_max_s=1.0)
         first = asyncio.create_task(batcher.submit(Call("a")))
-        await asyncio.sleep(0.01)
+        await running(engine)
         batcher.expect("new")  # its open runs after "a"'s pass ...
         await first
         await asyncio.sleep(0.01)  # ... and takes a while

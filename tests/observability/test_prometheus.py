@@ -85,7 +85,12 @@ def loaded(prometheus):
                     break
                 assert time.monotonic() < deadline, f"Prometheus saw {got} generated tokens, the client {sent}"
                 time.sleep(1)
-            time.sleep(3)  # a few more scrapes so that every rate() has two samples
+            while True:  # two more scrapes than that, so that every rate() has two samples
+                got = snapshot.query(prometheus, "min(count_over_time(ray_splitspec_generated_tokens_total[10m]))")
+                if got and float(got[0]["value"][1]) >= 3:
+                    break
+                assert time.monotonic() < deadline, f"Prometheus holds {got} samples of the token counter"
+                time.sleep(1)
             yield prometheus, sent
     finally:
         os.environ.pop("RAY_metrics_report_interval_ms", None)

@@ -3,15 +3,15 @@ open stream, on 1 node and on 3 — and leaves no process of its Ray session and
 
 import signal
 import threading
-import time
 
 import grpc
 import pytest
 
 from splitspec.client import SpecDecodeClient
 from splitspec.stopping import FORCED_EXIT_CODE
-from tests.serving.conftest import free_port
-from tests.serving.processes import SERVING, ServeProcess, listening_on
+from splitspec.cli import STARTING
+from tests.serving.conftest import free_port, until
+from tests.serving.processes import REPLICA_PROCESS_PREFIX, SERVING, ServeProcess, listening_on
 
 pytestmark = pytest.mark.slow
 
@@ -51,10 +51,12 @@ def test_stop_during_start_up(tmp_path, nodes, sig):
     for i in range(STOPS_DURING_START_UP):
         with serve(tmp_path, port, nodes) as proc:
             if i == 0:
-                time.sleep(1.0)  # Ray not up yet
+                proc.wait_for(STARTING)  # its stop is handled; Ray is not up yet
             else:
                 proc.wait_for("deploying")
-                time.sleep(3.0 * (i - 1))  # replicas are starting / loading models
+                if i == 2:  # a replica's process is up: replicas are starting / loading models
+                    until("a replica started", lambda: any(p.name().startswith(REPLICA_PROCESS_PREFIX)
+                                                           for p in proc.leftovers()))
             assert_stopped_cleanly(proc, sig, port)
 
 
@@ -64,22 +66,25 @@ def test_stop_during_open_stream(tmp_path, nodes, sig):
     port = free_port()
     with serve(tmp_path, port, nodes) as proc:
         proc.wait_for(SERVING)
-        ended = threading.Event()
-        outcome = {}
+        started, ended = threading.Event(), threading.Event()
+        outcome = {"chunks": 0}
 
         def consume():
             try:
                 with SpecDecodeClient(f"127.0.0.1:{port}", timeout_s=STOP_TIMEOUT_S * 2) as client:
-                    outcome["chunks"] = sum(1 for _ in client.stream(
-                        messages=[("user", "Write a long story about a lighthouse keeper.")], max_new_tokens=400))
+                    for _ in client.stream(messages=[("user", "Write a long story about a lighthouse keeper.")],
+                                           max_new_tokens=400):
+                        outcome["chunks"] += 1
+                        started.set()
             except grpc.RpcError as exc:
                 outcome["status"] = exc.code()
             finally:
+                started.set()
                 ended.set()
 
         streamer = threading.Thread(target=consume, daemon=True)
         streamer.start()
-        time.sleep(3.0)  # the stream is running
+        assert started.wait(STOP_TIMEOUT_S * 2), "no chunk of the stream came"  # the stream is running
         assert not ended.is_set(), f"the stream ended before the stop: {outcome}"
         assert_stopped_cleanly(proc, sig, port)
         assert ended.wait(STOP_TIMEOUT_S), "the open stream never ended"
@@ -91,15 +96,13 @@ def test_second_ctrl_c_forces_the_stop(tmp_path):
     with serve(tmp_path, port, 1) as proc:
         proc.wait_for("deploying")
         proc.proc.send_signal(signal.SIGINT)
-        time.sleep(0.5)
+        proc.wait_for("stopping (SIGINT received)")  # the first one is handled: the second one forces the stop
         code, _ = proc.stop(signal.SIGINT, STOP_TIMEOUT_S)
         assert code == FORCED_EXIT_CODE, proc.log[-3000:]
         # forced by the second signal itself, not by the bound running out (no wall-clock assertion needed)
         assert "forcing the stop: SIGINT received again" in proc.log, proc.log[-3000:]
         assert "not stopped after" not in proc.log
-        time.sleep(1.0)  # SIGKILLed processes are reaped
-        left = proc.leftovers()
-        assert not left, f"left behind: {[(p.pid, p.name()) for p in left]}"
+        until("every process of the session gone (SIGKILLed ones reaped)", lambda: not proc.leftovers(), bound_s=30)
 
 
 def test_address_mode_leaves_the_cluster_running(tmp_path):
