@@ -458,6 +458,18 @@ def cmd_health(args) -> int:
     return 0
 
 
+def cmd_bench_report(args) -> int:
+    from splitspec import bench_report
+
+    if args.check:
+        current = bench_report.current()
+        print(f"the figures tables: {'current' if current else 'out of date: run `splitspec bench report`'}")
+        return 0 if current else 1
+    print(bench_report.table(), end="")
+    print("wrote " + ", ".join(str(page) for page in bench_report.write()))
+    return 0
+
+
 def cmd_docs_config(args) -> int:
     from splitspec import config_docs
 
@@ -537,6 +549,9 @@ def build_parser() -> argparse.ArgumentParser:
     batching.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     batching.add_argument("--json", help="also write the report as JSON here")
     batching.set_defaults(fn=cmd_bench_batching)
+    report_cmd = bench.add_parser("report", help="rebuild the figures tables (README, docs/benchmarks.md) from the committed JSON")
+    report_cmd.add_argument("--check", action="store_true", help="exit 1 if the table is out of date, write nothing")
+    report_cmd.set_defaults(fn=cmd_bench_report)
     grpc_bench = bench.add_parser("grpc", help="tokens/s through the gRPC service, speculation on vs off")
     _service_args(grpc_bench, prompts=8)
     grpc_bench.add_argument("--plot", help="also write a PNG bar chart of the policies here")
