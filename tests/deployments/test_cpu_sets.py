@@ -47,3 +47,12 @@ def test_the_config_checks_the_ids():
     for bad in ([1, 1], [-1]):
         with pytest.raises(ValidationError, match="distinct CPU ids"):
             AppConfig.model_validate({"stages": {"draft": {"placement": {"cpus": bad}}}})
+
+
+def test_a_local_cluster_pins_a_stage_that_names_only_cpus():
+    from splitspec.cluster import placements_for
+
+    config = AppConfig.model_validate({"stages": {"verify": {"placement": {"cpus": [0]}}}})
+    for nodes in (1, 3):
+        placed = placements_for(nodes, config).stages.verify.placement
+        assert placed.cpus == [0] and (placed.resources or placed.label_selector), placed
