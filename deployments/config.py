@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from services.draft import DRAFTERS
 from services.loading import DTYPES
@@ -44,6 +44,19 @@ class Placement(_Strict):
     )
     num_cpus: float = Field(0.0, ge=0, description="logical CPUs reserved per replica (threads sets real use)")
     num_gpus: float = Field(0.0, ge=0, description="GPUs per replica (Ray hands each replica its own through CUDA_VISIBLE_DEVICES)")
+    cpus: list[int] = Field(
+        default_factory=list, description="CPU set of each replica's process (Linux CPU ids, e.g. [1]): every thread of "
+        "it runs only there, on a CPU-only machine what 'a device of its own' means (verify alone on a core: no other "
+        "process preempts its passes). Checked against the node's CPUs when the replica starts; empty = wherever the "
+        "OS schedules it",
+    )
+
+    @field_validator("cpus")
+    @classmethod
+    def _distinct_cpus(cls, cpus: list[int]) -> list[int]:
+        if any(c < 0 for c in cpus) or len(set(cpus)) != len(cpus):
+            raise ValueError(f"cpus must be distinct CPU ids >= 0, got {cpus}")
+        return sorted(cpus)
 
 
 class StageConfig(_Strict):

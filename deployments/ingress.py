@@ -27,10 +27,10 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle, DeploymentResponse, DeploymentResponseGenerator
 
 from deployments import api, auth
-from deployments.config import AppConfig
+from deployments.config import INGRESS, AppConfig
 from deployments.metrics import RequestMetrics
 from deployments.openai_api import OpenAIRoutes, http_app
-from deployments.placement import unplaceable
+from deployments.placement import pin_cpus, unplaceable
 from deployments.routing import pin
 from deployments.stages import DraftFallback, KVHandoff, SessionOpened, Speculation, model_dirs, rss_bytes
 from deployments.status import DRAFT_FAILURES, RequestDeadlineError, StageUnavailableError, UnauthenticatedError, to_status, unwrap
@@ -96,6 +96,7 @@ class _Opening:
 class SpecDecodeIngress(OpenAIRoutes):
     def __init__(self, config: dict, prefill: DeploymentHandle, draft: DeploymentHandle, verify: DeploymentHandle):
         self.config = AppConfig.model_validate(config)
+        pin_cpus(self.config.ingress_placement.cpus, INGRESS)
         self.prefill, self.draft, self.verify = prefill, draft, verify
         target_dir, draft_dir = model_dirs(self.config)
         self.target = describe(target_dir)

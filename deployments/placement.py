@@ -1,4 +1,5 @@
-"""Fail fast on unplaceable stages: Ray keeps a replica whose label or resource no node has pending, silently.
+"""Fail fast on unplaceable stages: Ray keeps a replica whose label or resource no node has pending, silently; and a
+replica's own CPU set (``placement.cpus``).
 
 ``unplaceable(config, nodes)`` names every stage that no alive node can host
 and says which label or resource is missing; the ingress refuses requests with
@@ -7,6 +8,7 @@ UNAVAILABLE while that is so, and `splitspec serve` reports it and exits.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 
 from deployments.config import INGRESS, STAGES, AppConfig, Placement
@@ -54,3 +56,24 @@ def _label_matches(labels: dict, key: str, selector: str) -> bool:
     else:
         match = labels.get(key) == body
     return match != negate
+
+
+class CpuSetError(ValueError):
+    """A replica's configured CPU set names CPUs its node does not offer it."""
+
+
+def pin_cpus(cpus: list[int], stage: str) -> None:
+    """Run every thread of this process (a replica's) on ``cpus`` (``placement.cpus``), and the threads they start
+    after (a thread inherits its creator's CPU set); nothing when ``cpus`` is empty. Linux sets a CPU set per
+    thread, so each of the process's threads is set (Ray's own, the event loop's, the engine's)."""
+    if not cpus:
+        return
+    offered = os.sched_getaffinity(0)
+    if not set(cpus) <= offered:
+        raise CpuSetError(f"stages' {stage!r} placement.cpus {cpus} are not all CPUs of this node: it offers "
+                          f"{sorted(offered)}")
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+        except (ProcessLookupError, FileNotFoundError):  # (a thread that ended meanwhile)
+            continue

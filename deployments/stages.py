@@ -32,6 +32,7 @@ from deployments.batching import ContinuousBatcher
 from deployments.config import AppConfig
 from deployments.faults import FaultPoints
 from deployments.metrics import SessionMetrics
+from deployments.placement import pin_cpus
 from deployments.priority import EnginePriority, set_thread_nice
 from deployments.routing import pin
 from deployments.status import DRAFT_FAILURES, unwrap
@@ -176,6 +177,7 @@ class _Stage:
     def __init__(self, config: dict):
         self.config = AppConfig.model_validate(config)
         stage_config = self.config.stage(self.stage)
+        pin_cpus(stage_config.placement.cpus, self.stage)  # (first: every thread started later inherits the set)
         set_num_threads(stage_config.threads)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"splitspec-{self.stage}",
                                             initializer=_engine_thread, initargs=(stage_config.engine_nice,))
@@ -195,14 +197,17 @@ class _Stage:
     async def stats(self) -> dict:
         """This replica's sessions: open now, opened in all, KV bytes held; its batched passes: how many ran, and
         the most sessions' calls one of them took, and the calls waiting for the next (``queued``); calls held by a fault (tests); its resident memory; its engine
-        thread's niceness now, and how often load changed it (deployments.priority); the thread its methods run on
+        thread's niceness now, and how often load changed it (deployments.priority), and its CPU set (``cpus``:
+placement.cpus, else every CPU the node offers); the thread its methods run on
         (``loop_thread``: the replica's own event loop with config.replica_one_loop, else Serve's thread for them)."""
         sessions, kv_bytes = await self._run(self._session_counts)
+        cpus = sorted(await self._run(os.sched_getaffinity, 0))  # the engine thread's CPU set
         return {"replica_id": _identity()[0], "sessions": sessions, "opened": self.opened, "kv_bytes": kv_bytes,
                 "passes": self.batcher.passes, "largest_pass": self.batcher.largest_pass, "queued": self.batcher.queued,
                 "held": self.faults.held,
                 "rss_bytes": rss_bytes(), "engine_nice": self.priority.current,
-                "engine_nice_switches": self.priority.switches, "loop_thread": threading.current_thread().name}
+                "engine_nice_switches": self.priority.switches, "loop_thread": threading.current_thread().name,
+                "cpus": cpus}
 
     async def collect_garbage(self) -> int:
         """Run Python's cycle collector now (a soak's check: objects kept only by reference cycles, e.g. a failed

@@ -458,6 +458,29 @@ def cmd_health(args) -> int:
     return 0
 
 
+def cmd_bench_report(args) -> int:
+    from splitspec import bench_report
+
+    if args.check:
+        current = bench_report.current()
+        print(f"the figures tables: {'current' if current else 'out of date: run `splitspec bench report`'}")
+        return 0 if current else 1
+    print(bench_report.table(), end="")
+    print("wrote " + ", ".join(str(page) for page in bench_report.write()))
+    return 0
+
+
+def cmd_docs_config(args) -> int:
+    from splitspec import config_docs
+
+    if args.check:
+        current = config_docs.PAGE.exists() and config_docs.PAGE.read_text() == config_docs.render()
+        print(f"{config_docs.PAGE}: {'current' if current else 'out of date: run `splitspec docs config`'}")
+        return 0 if current else 1
+    print(f"wrote {config_docs.write()}")
+    return 0
+
+
 def cmd_dashboard_snapshot(args) -> int:
     from splitspec import snapshot
 
@@ -526,6 +549,9 @@ def build_parser() -> argparse.ArgumentParser:
     batching.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     batching.add_argument("--json", help="also write the report as JSON here")
     batching.set_defaults(fn=cmd_bench_batching)
+    report_cmd = bench.add_parser("report", help="rebuild the figures tables (README, docs/benchmarks.md) from the committed JSON")
+    report_cmd.add_argument("--check", action="store_true", help="exit 1 if the table is out of date, write nothing")
+    report_cmd.set_defaults(fn=cmd_bench_report)
     grpc_bench = bench.add_parser("grpc", help="tokens/s through the gRPC service, speculation on vs off")
     _service_args(grpc_bench, prompts=8)
     grpc_bench.add_argument("--plot", help="also write a PNG bar chart of the policies here")
@@ -589,6 +615,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--stop-timeout", type=float, default=DEFAULT_STOP_TIMEOUT_S,
                        help="seconds a Ctrl-C / SIGTERM stop may take before it is forced (a second Ctrl-C forces it)")
     serve.set_defaults(fn=cmd_serve)
+
+    docs = sub.add_parser("docs", help="pages generated from the code").add_subparsers(dest="action", required=True)
+    config_page = docs.add_parser("config", help="write docs/configuration.md from the app config's descriptions")
+    config_page.add_argument("--check", action="store_true", help="exit 1 if the page is out of date, write nothing")
+    config_page.set_defaults(fn=cmd_docs_config)
 
     dash = sub.add_parser("dashboard", help="the Grafana dashboard's panels without Grafana").add_subparsers(
         dest="action", required=True)

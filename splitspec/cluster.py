@@ -113,12 +113,16 @@ def placements_for(nodes: int, config: AppConfig) -> AppConfig:
     """
     data = config.model_dump()
     unset = Placement().model_dump()
+
+    def pinned(placement: dict, where: Placement) -> dict:  # (a CPU set is kept: it pins within the node)
+        if {**placement, "cpus": []} != unset:
+            return placement
+        return where.model_dump() | {"cpus": placement["cpus"]}
+
     for stage in STAGES:
-        if data["stages"][stage]["placement"] == unset:
-            place = labelled_placement(stage) if nodes > 1 else local_placement(stage)
-            data["stages"][stage]["placement"] = place.model_dump()
-    if data["ingress_placement"] == unset:
-        data["ingress_placement"] = local_placement(INGRESS).model_dump()  # the head node
+        where = labelled_placement(stage) if nodes > 1 else local_placement(stage)
+        data["stages"][stage]["placement"] = pinned(data["stages"][stage]["placement"], where)
+    data["ingress_placement"] = pinned(data["ingress_placement"], local_placement(INGRESS))  # the head node
     return AppConfig.model_validate(data)
 
 

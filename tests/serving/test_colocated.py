@@ -5,6 +5,7 @@ verify passes; a lost verify replica is recovered from; a cancelled stream leave
 config, a repeated prompt's last position prefilled by the verify replica (limits.local_prefill_tokens)."""
 
 import concurrent.futures
+import os
 
 import pytest
 import ray
@@ -16,6 +17,7 @@ from tests.serving.conftest import (
 
 pytestmark = pytest.mark.slow
 
+VERIFY_CPU = max(os.sched_getaffinity(0))
 POLICIES = [dict(speculate=True, drafter=drafter, num_draft_tokens=k)
             for drafter in ("model", "eagle", "prompt_lookup") for k in (0, 1, 3)]  # k = 0: adaptive
 
@@ -23,8 +25,11 @@ POLICIES = [dict(speculate=True, drafter=drafter, num_draft_tokens=k)
 @pytest.fixture(scope="module")
 def client():
     # (prefill: saturated from one call on, at nice 19: a raise, which needs no privilege)
-    stages = {"verify": {"engine_nice": 0}, "prefill": {"saturated_nice": 19, "saturated_calls": 1}}
-    with serving(make_config(faults={"enabled": True}, stages=stages)) as client:
+    # verify alone on the last CPU, the ingress on the first (placement.cpus; one CPU: both on it)
+    stages = {"verify": {"engine_nice": 0, "placement": {"cpus": [VERIFY_CPU]}},
+              "prefill": {"saturated_nice": 19, "saturated_calls": 1}}
+    with serving(make_config(faults={"enabled": True}, stages=stages,
+                             ingress_placement={"cpus": [min(os.sched_getaffinity(0))]})) as client:
         # (colocate_drafter: the default)
         yield client
 
@@ -246,3 +251,10 @@ def test_a_specbench_sample_through_the_graph(client):
     assert report["errors"] == [] and report["mismatches"] == [], report
     assert report["policies"]["server default"]["drafted"] > 0
     assert set(report["categories"]) == {"mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag"}
+
+
+def test_the_verify_replica_runs_on_its_cpu_set(client):
+    """placement.cpus: the verify replica's engine thread (and every other thread of it) runs on its CPU set only;
+    the prefill replica, without one, on every CPU."""
+    assert _stats("Verify")["cpus"] == [VERIFY_CPU]
+    assert _stats("Prefill")["cpus"] == sorted(os.sched_getaffinity(0))

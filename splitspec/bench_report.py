@@ -1,0 +1,92 @@
+"""The current figures table of the README and ``docs/benchmarks.md``, rebuilt from the committed JSON (`splitspec bench report`);
+a test checks the page's table against the JSON, so a figure cannot outlive its run.
+
+Each figure names its JSON, the key path of its value in it, the date of the run and the command that reproduces it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PAGES = (ROOT / "README.md", ROOT / "docs" / "benchmarks.md")  # each holds the table between BEGIN and END
+BEGIN, END = "<!-- figures: begin (splitspec bench report) -->", "<!-- figures: end -->"
+
+
+@dataclass(frozen=True)
+class Figure:
+    what: str
+    json: str  # relative to the repository
+    path: tuple[str, ...]  # keys into the JSON
+    unit: str  # "x", "tok/s", "" (a count or a flag)
+    date: str
+    command: str
+
+    def value(self):
+        data = json.loads((ROOT / self.json).read_text())
+        for key in self.path:
+            data = data[key]
+        return data
+
+    def shown(self) -> str:
+        value = self.value()
+        if isinstance(value, bool):
+            return "yes" if value else "no"
+        if isinstance(value, list):
+            return str(len(value))
+        return f"{value:.2f}{self.unit}" if self.unit == "x" else f"{value:g} {self.unit}".strip()
+
+
+SPECBENCH = "docs/bench/specbench/check-full.json"
+GRPC = "docs/bench/bench-grpc.json"
+LOAD = "docs/bench/bench-load.json"
+SOAK = "docs/bench/soak.json"
+FIGURES = [
+    Figure("Spec-Bench, 480 first turns: server default vs speculation off, errors", SPECBENCH, ("errors",), "",
+           "2026-12-06", "splitspec bench grpc --prompt-set specbench --check --prompts 0"),
+    Figure("Spec-Bench, 480 first turns: greedy answers identical to speculation off", SPECBENCH,
+           ("greedy_identical",), "", "2026-12-06", "splitspec bench grpc --prompt-set specbench --check --prompts 0"),
+    Figure("Spec-Bench, 480 first turns: server default / speculation off, tok/s", SPECBENCH,
+           ("policies", "server default", "ratio_vs_off"), "x", "2026-12-06", "splitspec bench grpc --prompt-set specbench --check --prompts 0"),
+    Figure("Spec-Bench: mean accepted length, server default", SPECBENCH,
+           ("policies", "server default", "mean_accepted_length"), "", "2026-12-06", "splitspec bench grpc --prompt-set specbench --check --prompts 0"),
+    Figure("held-out prompts, single stream: server default / speculation off", GRPC,
+           ("policies", "server default", "ratio_vs_off"), "x", "2026-12-05", "splitspec bench grpc"),
+    Figure("held-out prompts, single stream: best policy (EAGLE k=2) / speculation off", GRPC,
+           ("policies", "eagle k=2", "ratio_vs_off"), "x", "2026-12-05", "splitspec bench grpc"),
+    Figure("held-out prompts, single stream: speculation off", GRPC, ("policies", "off", "tok_s"), "tok/s",
+           "2026-12-05", "splitspec bench grpc"),
+    Figure("8 streams: throughput / 1 stream, speculation off", LOAD,
+           ("closed_loop", "off", "8", "throughput_vs_first"), "x", "2026-12-04", "splitspec bench load"),
+    Figure("32 streams: throughput / 1 stream, speculation off", LOAD,
+           ("closed_loop", "off", "32", "throughput_vs_first"), "x", "2026-12-04", "splitspec bench load"),
+    Figure("soak, 500 requests at 32 at once: nothing leaked", SOAK, ("ok",), "", "2026-12-03", "splitspec soak"),
+]
+
+
+def table(page: Path = PAGES[0], figures: list[Figure] = FIGURES) -> str:
+    """The figures as a markdown table, their JSON linked relative to ``page``."""
+    rows = ["| figure | value | date | command | JSON |", "| --- | ---: | --- | --- | --- |"]
+    for f in figures:
+        link = f"[{Path(f.json).name}]({Path(f.json).relative_to(page.parent.relative_to(ROOT)).as_posix()})"
+        rows.append(f"| {f.what} | {f.shown()} | {f.date} | `{f.command}` | {link} |")
+    return "\n".join(rows) + "\n"
+
+
+def page_table(page: Path) -> str:
+    text = page.read_text()
+    return text[text.index(BEGIN) + len(BEGIN) : text.index(END)].strip("\n") + "\n"
+
+
+def current() -> bool:
+    return all(page_table(page) == table(page) for page in PAGES)
+
+
+def write() -> tuple[Path, ...]:
+    for page in PAGES:
+        text = page.read_text()
+        start, end = text.index(BEGIN) + len(BEGIN), text.index(END)
+        page.write_text(text[:start] + "\n" + table(page) + text[end:])
+    return PAGES
