@@ -17,10 +17,12 @@ pytestmark = pytest.mark.slow
 
 STOP_TIMEOUT_S = 30  # the bound under test (`--stop-timeout`, also the default)
 EXIT_MARGIN_S = 10  # beyond the bound, only for a forced stop to finish killing
-STOPS_DURING_START_UP = 3  # per case
 # SIGINT and SIGTERM reach one handler (splitspec.stopping.STOP_SIGNALS), so each scenario runs each signal and
 # each node count once, pairwise, instead of the full 2 x 2 (four serve starts less: about 4 minutes of the suite).
+# Start-up has three points to stop at (0: Ray not up yet, 1: the app deploying, 2: replicas loading their models),
+# dealt over the two cases (a serve start each: about 25 s).
 START_UP_CASES = [(signal.SIGINT, 1), (signal.SIGTERM, 3)]
+START_UP_POINTS = {1: (0, 2), 3: (1,)}  # nodes -> points
 OPEN_STREAM_CASES = [(signal.SIGTERM, 1), (signal.SIGINT, 3)]
 
 
@@ -48,7 +50,7 @@ def assert_stopped_cleanly(proc: ServeProcess, sig: int, port: int) -> float:
 def test_stop_during_start_up(tmp_path, nodes, sig):
     """Stops at successive points of start-up: Ray starting, the app deploying, replicas loading their models."""
     port = free_port()
-    for i in range(STOPS_DURING_START_UP):
+    for i in START_UP_POINTS[nodes]:
         with serve(tmp_path, port, nodes) as proc:
             if i == 0:
                 proc.wait_for(STARTING)  # its stop is handled; Ray is not up yet
