@@ -588,6 +588,7 @@ def build_parser() -> argparse.ArgumentParser:
     soak_cmd.add_argument("--concurrency", type=int, default=32)
     soak_cmd.add_argument("--seed", type=int, default=0, help="draws each request's RPC, policy and client behaviour")
     soak_cmd.add_argument("--request-timeout", type=float, default=600.0, help="client deadline of the other requests")
+    soak_cmd.add_argument("--http-port", type=int, default=8100, help="the local service's OpenAI API port")
     soak_cmd.set_defaults(fn=cmd_soak, address=None)  # the checks need this process's Serve handles: a local cluster
 
     health = sub.add_parser("health", help="exit 0 when the service's gRPC proxy is healthy and serves the app "
