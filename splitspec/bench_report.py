@@ -43,6 +43,7 @@ SPECBENCH = "docs/bench/specbench/check-full.json"
 GRPC = "docs/bench/bench-grpc.json"
 LOAD = "docs/bench/bench-load.json"
 SOAK = "docs/bench/soak.json"
+ENGINE = "docs/bench/bench-engine.json"
 FIGURES = [
     Figure("Spec-Bench, 480 first turns: server default vs speculation off, errors", SPECBENCH, ("errors",), "",
            "2026-12-06", "splitspec bench grpc --prompt-set specbench --check --prompts 0"),
@@ -58,6 +59,12 @@ FIGURES = [
            ("policies", "eagle k=2", "ratio_vs_off"), "x", "2026-12-05", "splitspec bench grpc"),
     Figure("held-out prompts, single stream: speculation off", GRPC, ("policies", "off", "tok_s"), "tok/s",
            "2026-12-05", "splitspec bench grpc"),
+    Figure("in-process, best EAGLE k / splitspec speculation off", ENGINE, ("speedup_vs_splitspec_off",), "x", "2026-12-06",
+           "splitspec bench engine --ks 1,2,3"),
+    Figure("in-process, best EAGLE k", ENGINE, ("splitspec_tok_s",), "tok/s", "2026-12-06",
+           "splitspec bench engine --ks 1,2,3"),
+    Figure("in-process, the target alone (transformers generate)", ENGINE, ("target_tok_s",), "tok/s", "2026-12-06",
+           "splitspec bench engine --ks 1,2,3"),
     Figure("8 streams: throughput / 1 stream, speculation off", LOAD,
            ("closed_loop", "off", "8", "throughput_vs_first"), "x", "2026-12-04", "splitspec bench load"),
     Figure("32 streams: throughput / 1 stream, speculation off", LOAD,
