@@ -69,7 +69,7 @@ FIGURES = [
            ("closed_loop", "off", "8", "throughput_vs_first"), "x", "2026-12-04", "splitspec bench load"),
     Figure("32 streams: throughput / 1 stream, speculation off", LOAD,
            ("closed_loop", "off", "32", "throughput_vs_first"), "x", "2026-12-04", "splitspec bench load"),
-    Figure("soak, 500 requests at 32 at once: nothing leaked", SOAK, ("ok",), "", "2026-12-03", "splitspec soak"),
+    Figure("soak, 500 requests at 32 at once: nothing leaked", SOAK, ("ok",), "", "2026-12-06", "splitspec soak"),
 ]
 
 
