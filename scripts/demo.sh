@@ -31,7 +31,7 @@ for _ in $(seq 1 600); do
   if ! kill -0 "$SERVE" 2>/dev/null; then tail -n 30 "$LOG"; exit 1; fi
   sleep 1
 done
-grep -E "serving gRPC|OpenAI-compatible|Ray dashboard" "$LOG" || { tail -n 30 "$LOG"; exit 1; }
+grep -E "serving gRPC|OpenAI-compatible|is bound on|listen on all interfaces|Ray dashboard" "$LOG" || { tail -n 30 "$LOG"; exit 1; }
 echo
 echo "> $PROMPT"
 .venv/bin/splitspec generate "$PROMPT" --address "127.0.0.1:$PORT"
