@@ -182,6 +182,7 @@ class _Stage:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"splitspec-{self.stage}",
                                             initializer=_engine_thread, initargs=(stage_config.engine_nice,))
         started_nice = self._executor.submit(os.getpriority, os.PRIO_PROCESS, 0).result()  # (0: this thread)
+        self.cpus = sorted(self._executor.submit(os.sched_getaffinity, 0).result())  # the engine thread's CPU set
         self.priority = EnginePriority(started_nice, stage_config.saturated_nice, stage_config.saturated_calls)
         self.opened = 0  # sessions opened on this replica
         self.session_metrics = SessionMetrics(self.stage)  # batched passes (every stage); sessions (draft, verify)
@@ -196,18 +197,17 @@ class _Stage:
 
     async def stats(self) -> dict:
         """This replica's sessions: open now, opened in all, KV bytes held; its batched passes: how many ran, and
-        the most sessions' calls one of them took, and the calls waiting for the next (``queued``); calls held by a fault (tests); its resident memory; its engine
-        thread's niceness now, and how often load changed it (deployments.priority), and its CPU set (``cpus``:
-placement.cpus, else every CPU the node offers); the thread its methods run on
-        (``loop_thread``: the replica's own event loop with config.replica_one_loop, else Serve's thread for them)."""
+        the most sessions' calls one of them took, and the calls waiting for the next (``queued``); calls held by a
+        fault (tests); its resident memory; its engine thread's niceness now, how often load changed it
+        (deployments.priority), and its CPU set (``cpus``: placement.cpus, else every CPU the node offers); the thread
+        its methods run on (``loop_thread``: the replica's own event loop with config.replica_one_loop, else Serve's
+        thread for them)."""
         sessions, kv_bytes = await self._run(self._session_counts)
-        cpus = sorted(await self._run(os.sched_getaffinity, 0))  # the engine thread's CPU set
         return {"replica_id": _identity()[0], "sessions": sessions, "opened": self.opened, "kv_bytes": kv_bytes,
                 "passes": self.batcher.passes, "largest_pass": self.batcher.largest_pass, "queued": self.batcher.queued,
-                "held": self.faults.held,
-                "rss_bytes": rss_bytes(), "engine_nice": self.priority.current,
+                "held": self.faults.held, "rss_bytes": rss_bytes(), "engine_nice": self.priority.current,
                 "engine_nice_switches": self.priority.switches, "loop_thread": threading.current_thread().name,
-                "cpus": cpus}
+                "cpus": self.cpus}
 
     async def collect_garbage(self) -> int:
         """Run Python's cycle collector now (a soak's check: objects kept only by reference cycles, e.g. a failed

@@ -296,9 +296,9 @@ class FastLlamaRunner:
         apart (a BLAS GEMM over many rows may round a near-tie otherwise than over some of them).
         """
         sizes = [ids.shape[0] for ids, _ in chunks]
+        last = last_only if isinstance(last_only, list) else [last_only] * len(chunks)
         if len(groups := kernels.row_groups(sizes)) > 1:  # over SKINNY_MAX_ROWS rows: group by group (row_groups)
             out_logits, out_features = [None] * len(chunks), [None] * len(chunks)
-            last = last_only if isinstance(last_only, list) else [last_only] * len(chunks)
             for group in groups:
                 pick = lambda values: None if values is None else [values[i] for i in group]  # noqa: E731
                 logits, features = self.forward_batch([chunks[i] for i in group], last_only=pick(last),
@@ -308,7 +308,6 @@ class FastLlamaRunner:
             return out_logits, out_features
         features = self._rms_norm(self._layers(chunks, trees), self.norm)  # [N, hidden], N = sum(sizes)
         per_chunk = list(features.split(sizes))
-        last = last_only if isinstance(last_only, list) else [last_only] * len(chunks)
         head_sizes = [1 if flag else size for flag, size in zip(last, sizes, strict=True)]
         head_rows = torch.cat([f[-1:] if flag else f for f, flag in zip(per_chunk, last)]) if any(last) else features  # [sum(head_sizes), hidden]
         if not greedy or not any(greedy):

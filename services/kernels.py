@@ -34,21 +34,6 @@ logger = logging.getLogger(__name__)
 
 SKINNY_MAX_ROWS = 32  # beyond this many rows a BLAS GEMM is compute-efficient enough
 DECODE_ATTENTION_MAX_ROWS = 32  # longer chunks (prompts) take SDPA, whose blocked kernel suits them
-
-
-def row_groups(sizes: list[int], limit: int = SKINNY_MAX_ROWS) -> list[list[int]]:
-    """The chunks of a pass (their row counts ``sizes``) in groups of consecutive chunks of at most ``limit`` rows
-    in all, a longer chunk alone: a pass runs group by group, so every short chunk's rows go through the
-    row-independent kernels (``skinny_gemm``) however many rows the pass has, and its result is the same bits as
-    alone; beyond ``limit`` rows a BLAS GEMM would compute them, its rounding depending on the other rows."""
-    groups, current, rows = [], [], 0
-    for i, n in enumerate(sizes):
-        if current and rows + n > limit:
-            groups.append(current)
-            current, rows = [], 0
-        current.append(i)
-        rows += n
-    return groups + ([current] if current else [])
 _SOURCES = [Path(__file__).parent / "csrc" / name for name in ("bindings.cpp", "skinny_gemm.cpp", "decode_attention.cpp",
                                                                "decoder_layers.cpp", "greedy_head.cpp")]
 
@@ -98,6 +83,21 @@ def _kernels():
     if _module is _UNBUILT:
         _module = _build()
     return _module
+
+
+def row_groups(sizes: list[int], limit: int = SKINNY_MAX_ROWS) -> list[list[int]]:
+    """The chunks of a pass (their row counts ``sizes``) in groups of consecutive chunks of at most ``limit`` rows
+    in all, a longer chunk alone: a pass runs group by group, so every short chunk's rows go through the
+    row-independent kernels (``skinny_gemm``) however many rows the pass has, and its result is the same bits as
+    alone; beyond ``limit`` rows a BLAS GEMM would compute them, its rounding depending on the other rows."""
+    groups, current, rows = [], [], 0
+    for i, n in enumerate(sizes):
+        if current and rows + n > limit:
+            groups.append(current)
+            current, rows = [], 0
+        current.append(i)
+        rows += n
+    return groups + ([current] if current else [])
 
 
 def skinny_gemm():

@@ -86,8 +86,12 @@ def _add(t: dict, response, elapsed: float) -> None:
     t["prompts"] += 1
 
 
+def _tok_s(t: dict | None) -> float:
+    return t["tokens"] / t["seconds"] if t and t["seconds"] else 0.0
+
+
 def _summary(t: dict, off_tok_s: float) -> dict:
-    tok_s = t["tokens"] / t["seconds"] if t["seconds"] else 0.0
+    tok_s = _tok_s(t)
     ideal = off_tok_s * t["tokens"] / (t["steps"] + t["prompts"]) if t["steps"] else off_tok_s
     return {
         "tok_s": round(tok_s, 2),
@@ -146,14 +150,11 @@ def run(client: SpecDecodeClient, *, num_prompts: int = 8, max_new_tokens: int =
         if progress is not None:
             progress(i + 1, len(labelled))
     report = {"prompts": len(labelled), "prompt_set": prompt_set, "max_new_tokens": max_new_tokens, "policies": {}}
-    off = totals["off"]["tokens"] / totals["off"]["seconds"] if totals["off"]["seconds"] else 0.0
+    off = _tok_s(totals["off"])
     report["policies"] = {name: _summary(t, off) for name, t in totals.items()}
     if len(by_category) > 1:
-        report["categories"] = {}
-        for category, per_policy in by_category.items():
-            t_off = per_policy.get("off")
-            off_c = t_off["tokens"] / t_off["seconds"] if t_off and t_off["seconds"] else 0.0
-            report["categories"][category] = {name: _summary(t, off_c) for name, t in per_policy.items()}
+        report["categories"] = {category: {name: _summary(t, _tok_s(per_policy.get("off"))) for name, t in per_policy.items()}
+                                for category, per_policy in by_category.items()}
     mismatches = [{"prompt": i, "category": labelled[i][0], "policy": name}
                   for name in chosen if name != "off" for i, (got, want) in enumerate(zip(answers[name], answers["off"]))
                   if got is not None and want is not None and got != want]

@@ -27,9 +27,13 @@ class Listener:
     def beyond_loopback(self) -> bool:
         return self.ip not in LOOPBACK
 
+    @property
+    def host(self) -> str:
+        """The address as it is written before a port: [ip] for IPv6."""
+        return f"[{self.ip}]" if ":" in self.ip else self.ip
+
     def __str__(self) -> str:
-        host = f"[{self.ip}]" if ":" in self.ip else self.ip
-        return f"{host}:{self.port} ({self.process}, pid {self.pid})"
+        return f"{self.host}:{self.port} ({self.process}, pid {self.pid})"
 
 
 def cluster_processes(session_dir: str) -> list[psutil.Process]:
@@ -65,7 +69,7 @@ def report(found: list[Listener], *, grpc_port: int, http_port: int, token: bool
     beyond loopback; a warning when anything does (stronger without a token)."""
     lines = []
     for what, port in (("gRPC", grpc_port), ("OpenAI HTTP", http_port)):
-        bound = sorted({f"[{l.ip}]" if ":" in l.ip else l.ip for l in found if l.port == port})
+        bound = sorted({l.host for l in found if l.port == port})
         lines.append(f"{what} port {port} is bound on {', '.join(bound) or 'nothing yet'}")
     exposed = [l for l in found if l.beyond_loopback]
     others = [l for l in exposed if l.port not in (grpc_port, http_port)]

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
+from services import kernels
 from services.kv import new_buffer
 
 logger = logging.getLogger(__name__)
@@ -467,8 +468,6 @@ def run_rows(batch: list[Rows]) -> list[torch.Tensor]:
     so a session's logits are the same bits however many rows share its pass). Returns each session's logits over
     the kept ids for its last row, [N], and moves each session on (its context or chain grows, its next feature is
     set)."""
-    from services import kernels
-
     groups = kernels.row_groups([len(r.tokens) for r in batch])
     if len(groups) > 1:
         out = [None] * len(batch)
