@@ -7,7 +7,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from deployments.config import AppConfig
-from services.draft import DRAFTERS, MODEL_DRAFTER
+from services.drafters import MODEL_DRAFTER
 from services.errors import InvalidRequestError
 from services.loop import FINISH_LENGTH, FINISH_STOP, SpeculationStats
 from services.sampling import SamplingParams
@@ -38,7 +38,7 @@ class Plan:
     num_draft_tokens: int  # k, or the largest k when adaptive
     drafter: str
     adaptive: bool = False  # k picked per step by services.policy
-    overlap: bool = False  # pre-drafting (services.loop)
+    overlap: bool | None = None  # pre-drafting (services.loop) as asked; once the verify replica decided: whether it does
     stats: SpeculationStats = field(default_factory=SpeculationStats)
     fallback: bool = False  # speculation was turned off mid-request after a draft-stage failure
     declined: bool = False  # adaptive, but served without a drafter (services.policy.RequestGate)
@@ -69,7 +69,7 @@ class Timer:
         return pb.Timings(ttft_ms=self.ttft_ms, total_ms=self.ms(), prefill_ms=self.prefill_ms, kv_handoff_ms=self.kv_handoff_ms)
 
 
-def parse(request, config: AppConfig, tokenizer, *, max_context: int, vocab_size: int, drafters=DRAFTERS,
+def parse(request, config: AppConfig, tokenizer, *, max_context: int, vocab_size: int, drafters=(MODEL_DRAFTER,),
           default_drafter: str = MODEL_DRAFTER) -> Plan:
     """Validate a GenerateRequest / GenerateStreamRequest; raise InvalidRequestError with an actionable message."""
     request_id = request.request_id or uuid.uuid4().hex

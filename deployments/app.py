@@ -2,8 +2,9 @@
 
     app = build_app({"stages": {"verify": {"num_replicas": 2}}})
 
-wires Prefill, Draft and Verify (each pinned by its placement, with the
-session-affinity router on the stateful two) under the gRPC ingress.
+wires Prefill, Verify and, where requests draft remotely (speculation.drafting),
+Draft (each pinned by its placement, with the session-affinity router on the
+stateful ones) under the gRPC ingress.
 """
 
 from __future__ import annotations
@@ -33,15 +34,15 @@ QUEUE_FULL_RETRY_AFTER_S = 1  # what a client told "queue full" (HTTP 429) is as
 # A stopping replica polls its in-flight calls this often (Serve's default, 2 s, is first slept out even when the
 # replica is idle: every stop took 2 s more).
 DRAIN_POLL_S = 0.2
-STAGE_DEPLOYMENTS = {"prefill": Prefill, "draft": Draft, "verify": Verify}
+STAGE_DEPLOYMENTS = {"prefill": Prefill, "draft": Draft, "verify": Verify}  # (in this order: verify binds the others)
 
 
 def build_app(args: dict[str, Any] | None = None) -> Application:
     config = AppConfig.model_validate(args or {})
     plain = config.model_dump()
     stages = {}
-    for name, deployment in STAGE_DEPLOYMENTS.items():
-        stage = config.stage(name)
+    for name in config.deployed_stages():  # (the draft stage only where requests draft remotely)
+        deployment, stage = STAGE_DEPLOYMENTS[name], config.stage(name)
         options: dict[str, Any] = {
             "num_replicas": stage.num_replicas,
             "max_ongoing_requests": stage.max_ongoing_requests,
@@ -52,7 +53,7 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
         }
         if name != "prefill":  # draft and verify hold sessions: pin each call to its replica
             options["request_router_config"] = RequestRouterConfig(request_router_class=ROUTER_CLASS)
-        extra = (stages["draft"],) if name == "verify" else ()
+        extra = (stages["prefill"], stages.get("draft")) if name == "verify" else ()
         stages[name] = deployment.options(**options).bind(plain, *extra)
     ingress = SpecDecodeIngress.options(
         num_replicas=config.ingress_replicas,
@@ -65,7 +66,7 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
         ray_actor_options=actor_options(config.ingress_placement, config.replica_one_loop,
                                         DIRECT_INGRESS_ENV if config.direct_ingress else {}),
     )
-    return ingress.bind(plain, stages["prefill"], stages["draft"], stages["verify"])
+    return ingress.bind(plain, stages["prefill"], stages["verify"])
 
 
 def actor_options(placement: Placement, one_loop: bool = True, env: dict[str, str] | None = None) -> dict[str, Any]:

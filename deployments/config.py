@@ -10,7 +10,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from services.draft import DRAFTERS
+from services import drafters
 from services.loading import DTYPES
 from services.policy import DEFAULT_EXPLORE_EVERY, DEFAULT_MAX_DRAFT_TOKENS
 from services.tree import MAX_TREE_WIDTH
@@ -100,19 +100,18 @@ class StageConfig(_Strict):
 
 class SpeculationDefaults(_Strict):
     enabled: bool = Field(True, description="speculate unless a request turns it off")
-    colocate_drafter: bool = Field(
-        True, description="each verify replica loads the drafter too (on its device, as vLLM runs an EAGLE head) and "
-        "a speculating request runs its loop there as one streamed call: no stage hop per step. The draft stage then "
-        "serves only pre-drafting requests (overlap). Turn it off where the drafter has an accelerator of its own",
+    drafting: Literal["auto", "local", "remote"] = Field(
+        "auto", description="where a speculating request's drafter runs. local: in its verify replica, on the target's "
+        "device and engine thread (the draft pass right before the verify pass, no hop); remote: in the draft stage, "
+        "asked by the verify replica directly, drafting the next block while this one is verified (pre-drafting). "
+        "auto: remote where the draft stage has a device of its own (its placement differs from verify's: another "
+        "label, a GPU of its own, another device or a disjoint CPU set), else local",
     )
     tree_width: int = Field(
         3, ge=1, le=MAX_TREE_WIDTH, description="candidates per draft position for greedy requests: > 1 drafts a tree, "
         "the chain and the drafter's next most likely tokens at its first depth, verified in one pass (services.tree; "
         "exact for greedy decoding, sampled requests draft chains)",
     )
-    verify_driven: bool = Field(False, description="experimental, with colocate_drafter off: a speculating request "
-                                "runs its loop in the verify replica as one streamed call that asks the draft replica "
-                                "directly")
     num_draft_tokens: int = Field(
         0, ge=0, le=MAX_DRAFT_TOKENS,
         description="default k; 0 = adaptive: k picked per step (0 included) from measured acceptance and costs",
@@ -126,20 +125,13 @@ class SpeculationDefaults(_Strict):
         "answer (an adaptive k decides which random draws are made); 0 = such requests run without speculation",
     )
     drafter: str = Field(
-        "", description=f"default drafter, one of {list(DRAFTERS)}; empty = eagle when the drafter folder has an EAGLE head, else model"
+        "", description="default drafter kind (services.drafters: model, eagle, prompt_lookup, or one of "
+        "models.drafter_modules); empty = eagle when the drafter folder has an EAGLE head, else model"
     )
-    overlap: bool = Field(
-        False, description="pre-draft: the draft stage drafts beyond the block the verifier is checking (services.loop)"
-    )
-    stream_off: bool = Field(
-        True, description="a request that does not speculate decodes as one streamed call to its verify replica (a "
-        "token per item, the next step at once) instead of one call per token",
-    )
-    stream_by_value: bool = Field(
-        True, description="the stream of stream_off goes over Serve's direct gRPC between the ingress and the verify "
-        "replica (a handle's _by_reference=False: each token by value, not through Ray's object store and its owner's "
-        "bookkeeping); the session is then opened first by a call of its own, by reference, as the KV handoff is an "
-        "object reference and stays one",
+    overlap: bool | None = Field(
+        None, description="pre-draft: the drafter drafts beyond the block the verifier is checking (services.loop); "
+        "only where drafting is remote (a local drafter shares the verifier's engine thread). Empty = on where "
+        "drafting is remote",
     )
     explore_every: int = Field(
         DEFAULT_EXPLORE_EVERY, ge=1, description="adaptive requests start without a drafter where speculation has not "
@@ -221,6 +213,10 @@ class Models(_Strict):
         "the N most frequent of the drafter folder's draft_vocab.json; empty = its default (8192 for the default "
         "pair), 0 = every id (an EAGLE head: the ids it was trained on)",
     )
+    drafter_modules: list[str] = Field(
+        default_factory=list, description="Python modules that register more drafter kinds (services.drafters."
+        "register), imported by every replica, e.g. ['mypackage.drafters']",
+    )
 
 
 class Stages(_Strict):
@@ -267,11 +263,13 @@ class AppConfig(_Strict):
 
     @model_validator(mode="after")
     def _check(self) -> "AppConfig":
-        if self.speculation.drafter and self.speculation.drafter not in DRAFTERS:
-            raise ValueError(f"speculation.drafter must be one of {list(DRAFTERS)}, got {self.speculation.drafter!r}")
-        if self.speculation.verify_driven and self.speculation.colocate_drafter:
-            raise ValueError("speculation.verify_driven asks the draft stage from the verify replica: set "
-                             "speculation.colocate_drafter to false with it (colocated, the verify replica drafts itself)")
+        try:
+            drafters.load_modules(self.models.drafter_modules)
+        except ImportError as exc:
+            raise ValueError(f"models.drafter_modules: {exc}") from exc
+        if self.speculation.drafter and self.speculation.drafter not in drafters.kinds():
+            raise ValueError(f"speculation.drafter must be one of {sorted(drafters.kinds())}, got "
+                             f"{self.speculation.drafter!r}")
         if self.limits.default_max_new_tokens > self.limits.max_new_tokens:
             raise ValueError("limits.default_max_new_tokens must not exceed limits.max_new_tokens")
         if self.limits.session_idle_s <= self.limits.request_timeout_s:
@@ -314,9 +312,33 @@ class AppConfig(_Strict):
         """Rows one batched pass of the stage takes."""
         return self.stage(name).max_batch_rows or DEFAULT_BATCH_ROWS[name]
 
+    def remote_drafting(self) -> bool:
+        """Whether speculating requests draft in the draft stage (speculation.drafting; auto: where its placement
+        gives it a device of its own, ``own_device``)."""
+        if self.speculation.drafting != "auto":
+            return self.speculation.drafting == "remote"
+        return own_device(self.stages.draft, self.stages.verify)
+
+    def deployed_stages(self) -> tuple[str, ...]:
+        """The stages the application deploys: the draft stage only where requests draft remotely."""
+        return tuple(s for s in STAGES if s != "draft" or self.remote_drafting())
+
     def placement(self, name: str) -> Placement:
         """Placement of a stage or of the ingress."""
         return self.ingress_placement if name == INGRESS else self.stage(name).placement
+
+
+def own_device(draft: StageConfig, verify: StageConfig) -> bool:
+    """Whether the draft stage's replicas run on hardware verify's do not: nodes of another label, a GPU of their
+    own, another device kind, or a CPU set disjoint from verify's. (Custom resources alone say nothing of the
+    hardware: a local cluster pins every stage by one on a single node.)"""
+    d, v = draft.placement, verify.placement
+    return bool(
+        (d.label_selector and d.label_selector != v.label_selector)
+        or d.num_gpus >= 1
+        or draft.device.partition(":")[0] != verify.device.partition(":")[0]
+        or (d.cpus and v.cpus and not set(d.cpus) & set(v.cpus))
+    )
 
 
 def local_placement(stage: str) -> Placement:

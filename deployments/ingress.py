@@ -1,8 +1,9 @@
-"""The ingress: gRPC methods of splitspec.v1.SpecDecode, running the speculative loop over the stage handles.
+"""The ingress: gRPC methods of splitspec.v1.SpecDecode (and the OpenAI-compatible routes): admission, parsing, the
+prefill call, the KV handoff by reference, streaming back, and recovery from lost replicas.
 
-Only token ids, draft distributions and a *reference* to the prefill's KV pass
-through here; the KV bytes go from the prefill replica to the verifier through
-the Ray object store.
+A request's speculative loop runs in its verify replica, next to the target and its KV (``Verify.open`` starts
+it, ``Verify.speculate`` streams its steps); no loop runs here. Only token ids and a *reference* to the prefill's
+KV pass through here; the KV bytes go from the prefill replica to the verifier through the Ray object store.
 """
 
 from __future__ import annotations
@@ -32,15 +33,13 @@ from deployments.metrics import RequestMetrics
 from deployments.openai_api import OpenAIRoutes, http_app
 from deployments.placement import pin_cpus, unplaceable
 from deployments.routing import pin
-from deployments.stages import DraftFallback, KVHandoff, SessionOpened, Speculation, model_dirs, rss_bytes
-from deployments.status import DRAFT_FAILURES, RequestDeadlineError, StageUnavailableError, UnauthenticatedError, to_status, unwrap
-from services import eagle_draft
-from services.draft import DRAFTERS, EAGLE_DRAFTER, FEATURE_DRAFTERS, MODEL_DRAFTER
+from deployments.stages import DraftFallback, DraftResumed, KVHandoff, SessionOpened, Speculation, model_dirs, rss_bytes
+from deployments.status import RequestDeadlineError, StageUnavailableError, UnauthenticatedError, to_status, unwrap
+from services import drafters, eagle_draft
+from services.drafters import EAGLE_DRAFTER, MODEL_DRAFTER
 from services.errors import SessionEvictedError, SessionNotFoundError
 from services.loading import check_tokenizers, describe
-from services.loop import PRE_DRAFT_GUESSES, Calls, Propose, Results, SpeculativeLoop, StepOutput, Verify, execute_async
-from services import policy as spec_policy
-from services.policy import AcceptanceCounts, AdaptiveK, CostModel, RequestGate
+from services.loop import StepOutput
 from services.sampling import reseeded
 from services.text import TextStream
 from splitspec.v1 import splitspec_pb2 as pb
@@ -59,21 +58,17 @@ RETRY_BACKOFF_S = (0.1, 2.0)  # first and longest wait between calls to a stage 
 
 @dataclass
 class _Sessions:
-    """One request's draft and verify sessions as the ingress holds them; replaced when their replica is lost."""
+    """One request's verify session as the ingress holds it; replaced when its replica is lost."""
 
-    features: bool  # the drafter reads the target's features: the verify session's verdicts carry them
-    verify_sid: str  # the sessions' ids; a reopened session gets a new one (the old may linger on a live replica)
-    draft_sid: str
-    draft: DeploymentHandle | None = None  # pinned to the replica that holds the draft session
-    verify: DeploymentHandle | None = None  # pinned to the replica that holds the verify session
+    verify_sid: str  # the session's id; a reopened session gets a new one (the old may linger on a live replica)
+    verify: DeploymentHandle | None = None  # pinned to the replica that holds the session
+    stream: DeploymentResponseGenerator | None = None  # Verify.speculate: the loop's steps
+    skip_first: bool = False  # a recovered stream: its first token was emitted before the loss
     tokens: list[int] = field(default_factory=list)  # every token emitted so far: the context after the prompt
     recoveries: int = 0
-    draft_back: asyncio.Task | None = None  # after the draft stage was lost: resolves True once a draft replica answers
-    decoding: DeploymentResponseGenerator | None = None  # without a drafter: the streamed call (``_decoded``)
-    decoded_at: float | None = None  # time.perf_counter() when its last verdict came
-    # calls opening a session (verify open, draft start) whose answer the request has not taken yet: each is closed
-    # once it answers if the request ends first (SpecDecodeIngress._opening)
-    openings: dict[asyncio.Task, tuple[str, str]] = field(default_factory=dict)  # call -> (stage, session id)
+    # calls opening a session whose answer the request has not taken yet: each is closed once it answers if the
+    # request ends first (SpecDecodeIngress._opening)
+    openings: dict[asyncio.Task, str] = field(default_factory=dict)  # call -> session id
 
 
 class _Opening:
@@ -94,17 +89,17 @@ class _Opening:
 @serve.deployment(name="SpecDecodeIngress")
 @serve.ingress(http_app)  # the OpenAI-compatible HTTP API (deployments.openai_api) beside the gRPC methods
 class SpecDecodeIngress(OpenAIRoutes):
-    def __init__(self, config: dict, prefill: DeploymentHandle, draft: DeploymentHandle, verify: DeploymentHandle):
+    def __init__(self, config: dict, prefill: DeploymentHandle, verify: DeploymentHandle):
         self.config = AppConfig.model_validate(config)
         pin_cpus(self.config.ingress_placement.cpus, INGRESS)
-        self.prefill, self.draft, self.verify = prefill, draft, verify
+        self.prefill, self.verify = prefill, verify
         target_dir, draft_dir = model_dirs(self.config)
         self.target = describe(target_dir)
         self.model_id = self.config.models.served_name or target_dir.name  # the OpenAI API's model
         self.created = int(time.time())
         check_tokenizers(self.target, draft_dir)
-        has_head = eagle_draft.find(draft_dir) is not None  # the draft stage loads it (and checks it fits the target)
-        self.drafters = tuple(d for d in DRAFTERS if d != EAGLE_DRAFTER or has_head)
+        has_head = eagle_draft.find(draft_dir) is not None  # the drafter loads it (and checks it fits the target)
+        self.drafters = tuple(name for name, kind in drafters.kinds().items() if kind.needs != "head" or has_head)
         self.default_drafter = self.config.speculation.drafter or (EAGLE_DRAFTER if has_head else MODEL_DRAFTER)
         if self.default_drafter not in self.drafters:
             raise ValueError(f"speculation.drafter is {EAGLE_DRAFTER!r} but {draft_dir} has no {eagle_draft.HEAD_FILE} "
@@ -114,10 +109,6 @@ class SpecDecodeIngress(OpenAIRoutes):
         self.metrics = RequestMetrics()
         # tokenising runs off the event loop, on one thread (a fast tokenizer is not safe for concurrent encodes)
         self._tokenizing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="splitspec-tokenize")
-        # what the adaptive policy learns, per ingress replica: stage-call costs and each drafter's acceptance
-        self.costs = defaultdict(CostModel)
-        self.acceptance = defaultdict(AcceptanceCounts)
-        self.gates = defaultdict(lambda: RequestGate(self.config.speculation.explore_every))  # per drafter
         self.active = 0  # requests between prefill and their last step on this replica (the adaptive policy's load)
         self.recoveries: dict[str, int] = defaultdict(int)  # lost stage replicas recovered from, by stage
         self._detached_tasks: set[asyncio.Task] = set()  # closes that outlive their requests (``_detached``)
@@ -265,30 +256,22 @@ class SpecDecodeIngress(OpenAIRoutes):
             await steps.aclose()  # closes the draft and verify sessions
 
     async def _speculative_decode(self, plan: api.Plan, timer: api.Timer) -> AsyncIterator[StepOutput]:
-        """prefill, then services.loop's SpeculativeLoop over the draft and verify handles, one StepOutput per step.
-
-        A lost prefill or verify replica is recovered from without the client noticing (``_reopen_verify``); a lost
-        draft replica turns speculation off until a draft replica answers again (``_restart_draft``).
-        """
-        sid, params = plan.session_id, plan.params
-        started = None
-        s = _Sessions(features=plan.drafting and plan.drafter in FEATURE_DRAFTERS, verify_sid=sid, draft_sid=sid)
+        """Prefill, then the request's loop in a verify replica: ``Verify.open`` (by reference: the KV handoff)
+        opens its session and starts the loop there, ``Verify.speculate`` (by value) streams its steps; here each
+        step is only passed on. A lost prefill or verify replica (or a KV lost with its prefill replica) is
+        recovered from without the client noticing: the prompt and every emitted token but the last are prefilled
+        again and a fresh loop goes on from that last token (``_recover``)."""
+        s = _Sessions(verify_sid=plan.session_id)
+        spec = Speculation(plan.max_new_tokens, sorted(self.target.eos_token_ids), plan.prompt_ids,
+                           drafter=plan.drafter if plan.speculate else "", num_draft_tokens=plan.num_draft_tokens,
+                           adaptive=plan.adaptive, overlap=plan.overlap)
+        if spec.drafter and "draft" in self.unplaceable:  # (remote drafting, and no node for the draft stage)
+            self._fell_back(plan, "start", self.unplaceable["draft"], StageUnavailableError.__name__)
+            spec.drafter = ""
+        features = drafters.reads_features(spec.drafter)  # the drafter reads the target's features: prefill them
+        params = plan.params
         self.active += 1
         try:
-            if plan.speculate and plan.adaptive and not plan.overlap:  # where speculation does not pay: no drafter
-                why = self.gates[plan.drafter].decline(self._policy(plan))
-                if why:
-                    plan.declined = True
-                    self.metrics.declined(why)
-            # 1. prefill the target and, in parallel, start the draft session over the same prompt
-            #    (a feature drafter starts once prefill has its prompt features; they go by reference)
-            features = s.features = plan.drafting and plan.drafter in FEATURE_DRAFTERS
-            # speculation.colocate_drafter: the verify replica drafts itself (no draft stage call)
-            colocated = plan.drafting and self.config.speculation.colocate_drafter and not plan.overlap
-            if plan.drafting and not colocated and "draft" in self.unplaceable:
-                self._fall_back(plan, StageUnavailableError(self.unplaceable["draft"]), "start")
-            elif plan.drafting and not colocated and not features:
-                started = self._opening(s, "draft", sid, lambda: self.draft.start.remote(sid, plan.prompt_ids, params, plan.drafter))
             # (a prompt the prefill's prefix cache holds all but a few positions of leaves them to the verify replica,
             # whose batched pass computes them for little, where a prefill pass reads every weight: limits.local_prefill_tokens)
             local = 0 if features else self.config.limits.local_prefill_tokens
@@ -296,140 +279,74 @@ class SpecDecodeIngress(OpenAIRoutes):
                 plan.prompt_ids, params, features, local))
             timer.prefill_ms = timer.ms()
             self.metrics.prefilled("verify" if handoff.prompt_rest else "prefill")
-            if features and not colocated and not plan.fallback:
-                started = self._opening(s, "draft", sid, lambda: self.draft.start.remote(
-                    sid, plan.prompt_ids, params, plan.drafter, handoff))
-            draft_replica = ""
-            if self.config.speculation.verify_driven and started is not None and not plan.overlap:
+            while True:
                 try:
-                    draft_replica = (await self._call("draft", started)).replica_id
-                    s.draft = self.draft.options(session_id=pin(draft_replica))
-                except Exception as exc:  # noqa: BLE001 - go on with the target alone, on the path below
-                    self._draft_lost(plan, s, exc, "start")
-                started = None
-            if colocated or draft_replica:  # the loop runs in the verify replica (Verify.speculate)
-                steps = self._speculate_in_verify(plan, s, handoff, draft_replica, timer)
-                del handoff  # (the stream's call holds the KV reference until the verifier has resolved it)
-                async for step in steps:
-                    yield step
-                return
-            # 2. hand the verifier the KV *reference*; it resolves the bytes from the object store (while the draft starts)
-            spec = self.config.speculation
-            first_token = handoff.first_token  # None: the verify session's first step draws it (handoff.prompt_rest)
-            decodes = (spec.stream_off and not plan.drafting
-                       and (first_token is None or plan.max_new_tokens > 1 and first_token not in self.target.eos_token_ids))
-            decode_tokens = plan.max_new_tokens - (first_token is not None)  # the verify replica's steps
-
-            def open_again():
-                self._stop_decoding(s)  # (a stream that failed to open goes with its failure)
-                decode = (decode_tokens, sorted(self.target.eos_token_ids)) if decodes else None
-                return self._opening(s, "verify", sid, lambda: self.verify.open.remote(
-                    sid, handoff, params, features, decode=decode))
-            if decodes and not spec.stream_by_value:
-                # without a drafter, the same call opens the session and decodes (Verify.decode): the first step
-                # follows the open on the replica, while the first token goes out
-                opening = anext(self._start_decoding(plan, s, decode_tokens, opening=(handoff, params)))
-            else:
-                # (stream_by_value: the open, by reference, starts the steps on the replica; the stream, by value,
-                # takes their verdicts from the loop's first step on)
-                opening = open_again()  # (no stream yet to stop)
-            if started is not None:
-                try:
-                    s.draft = self.draft.options(session_id=pin((await self._call("draft", started)).replica_id))
-                except Exception as exc:  # noqa: BLE001 - go on with the target alone
-                    self._draft_lost(plan, s, exc, "start")
-                started = None
-            try:
-                opened = await self._retrying(plan, "verify", open_again, first=opening)
-            except Exception as exc:  # noqa: BLE001 - the KV went with its prefill replica: prefill again
-                self._stop_decoding(s)
-                if not isinstance(unwrap(exc), ray_exceptions.ObjectLostError):
-                    raise
-                self._lost(plan, "prefill", exc, s)
-                opened, first_token = await self._open_verify(plan, s, plan.prompt_ids, first_token, params)
-            s.verify = self.verify.options(session_id=pin(opened.replica_id))
-            self._handed_off(handoff, opened, timer)
-            del handoff  # the last reference here: the object store frees the KV once the verifier holds it
-            if first_token is None:
-                first_token = await self._first_step(plan, s, decodes)
-            timer.ttft_ms = timer.ms()
-            policy = self._policy(plan) if plan.adaptive and plan.drafting else None
-            loop = SpeculativeLoop(first_token, max_new_tokens=plan.max_new_tokens, eos=self.target.eos_token_ids,
-                                   num_draft_tokens=plan.num_draft_tokens, drafting=s.draft is not None and not plan.fallback,
-                                   policy=policy, overlap=plan.overlap, guesses=PRE_DRAFT_GUESSES[plan.drafter],
-                                   stats=plan.stats, tree_width=self._tree_width(plan))
-            results = None
-            while (item := loop.advance(results)) is not None:
-                if isinstance(item, StepOutput):
+                    if s.stream is None:
+                        opened = await self._retrying(plan, "verify", lambda: self._opening(
+                            s, s.verify_sid, lambda: self.verify.open.remote(s.verify_sid, handoff, params, spec)))
+                        s.verify = self.verify.options(session_id=pin(opened.replica_id))
+                        self._handed_off(handoff, opened, timer)
+                        handoff = None  # the last reference here: the object store frees the KV once the verifier holds it
+                        if not s.recoveries:
+                            self._decided(plan, opened)
+                        s.stream = s.verify.options(stream=True, _by_reference=False).speculate.remote(s.verify_sid)
+                    item = await self._call("verify", anext(s.stream))
+                except StopAsyncIteration:
+                    return
+                except Exception as exc:  # noqa: BLE001 - a lost replica (or KV) is recovered from; anything else is raised
+                    self._stop_stream(s)
+                    lost_kv = isinstance(unwrap(exc), ray_exceptions.ObjectLostError)
+                    if not (_replica_lost(exc) or lost_kv):
+                        raise
+                    self._lost(plan, "prefill" if lost_kv else "verify", exc, s)
+                    handoff, params, spec = await self._recover(plan, s, spec, features)
+                    continue
+                if isinstance(item, DraftFallback):
+                    self._fell_back(plan, item.when, f"{item.error} (in the verify replica)", item.error)
+                elif isinstance(item, DraftResumed):
+                    logger.info("request %s: speculation resumed on a draft replica after %d tokens", plan.request_id,
+                                len(s.tokens))
+                    self.metrics.recovery("draft")
+                    self.recoveries["draft"] += 1
+                elif s.skip_first:  # (a recovered stream's first token was emitted before the loss)
+                    s.skip_first = False
+                else:
+                    if s.tokens:  # (prefill's token is no verify step)
+                        plan.stats.add(item)
+                    else:
+                        timer.ttft_ms = timer.ms()
                     s.tokens += item.token_ids
                     yield item
-                    results = None
-                    if s.draft_back is not None and s.draft_back.done():  # a draft replica is back: draft again
-                        await self._restart_draft(plan, s, loop)
-                else:  # 3.-5. draft, verify, accept (concurrently when pre-drafting)
-                    results = await self._execute(item, plan, s)
         finally:
             self.active -= 1
-            self._stop_decoding(s)
-            # close both sessions without waiting (also when the client went away or the deadline passed)
-            if s.verify is not None:
+            self._stop_stream(s)  # (its end closes the session on the replica)
+            if s.verify is not None:  # (a session whose stream never started)
                 self._detached(s.verify.close.remote, s.verify_sid)
-            if s.draft is not None:
-                self._detached(s.draft.close.remote, s.draft_sid)
-            for call, (stage, opening_sid) in s.openings.items():  # sessions whose replica the request never learnt
-                self._close_when_opened(self.draft if stage == "draft" else self.verify, opening_sid, call)
-            if s.draft_back is not None:
-                s.draft_back.cancel()
+            for call, opening_sid in s.openings.items():  # sessions whose replica the request never learnt
+                self._close_when_opened(opening_sid, call)
 
-    async def _speculate_in_verify(self, plan: api.Plan, s: _Sessions, handoff: KVHandoff, draft_replica: str,
-                                   timer: api.Timer) -> AsyncIterator[StepOutput]:
-        """The request's loop runs in a verify replica (Verify.speculate), drafting there (speculation.colocate_drafter)
-        or asking the draft replica ``draft_replica`` directly (speculation.verify_driven); here each step is only
-        passed on. A lost verify replica (or a KV lost with its prefill replica) is recovered from: the prompt and
-        every emitted token but the last are prefilled again and a fresh stream goes on from that last token (with a
-        remote drafter, without speculation: its session followed the lost loop). The caller closes the sessions."""
-        spec = Speculation(plan.max_new_tokens, sorted(self.target.eos_token_ids), plan.num_draft_tokens, plan.adaptive,
-                           plan.drafter, plan.prompt_ids, draft_replica=draft_replica, draft_sid=s.draft_sid,
-                           tree_width=self._tree_width(plan))
-        params = plan.params
-        while True:
-            try:
-                if s.decoding is None:
-                    s.decoding = self.verify.options(stream=True).speculate.remote(
-                        s.verify_sid, (handoff, params, spec.drafting and s.features), spec)
-                    opened = await self._call("verify", anext(s.decoding))
-                    s.verify = self.verify.options(session_id=pin(opened.replica_id))
-                    self._handed_off(handoff, opened, timer)
-                    handoff = None  # the last reference here: the object store frees the KV once the verifier holds it
-                    if s.tokens:  # a recovered stream: its first token was emitted before the loss
-                        await self._call("verify", anext(s.decoding))
-                item = await self._call("verify", anext(s.decoding))
-            except StopAsyncIteration:
-                return
-            except Exception as exc:  # noqa: BLE001 - a lost replica (or KV) is recovered from; anything else is raised
-                self._stop_decoding(s)
-                lost_kv = isinstance(unwrap(exc), ray_exceptions.ObjectLostError)
-                if not (_replica_lost(exc) or lost_kv):
-                    raise
-                self._lost(plan, "prefill" if lost_kv else "verify", exc, s)
-                s.verify_sid = f"{plan.session_id}#{s.recoveries}"
-                ids, params = plan.prompt_ids + s.tokens[:-1], reseeded(plan.params, len(s.tokens))
-                spec = dataclasses.replace(spec, max_new_tokens=plan.max_new_tokens - max(len(s.tokens) - 1, 0),
-                                           prompt_ids=ids, drafting=spec.drafting and not spec.draft_replica)
-                handoff = await self._retrying(plan, "prefill", lambda: self.prefill.prefill.remote(
-                    ids, params, spec.drafting and s.features))
-                if s.tokens:
-                    handoff = dataclasses.replace(handoff, first_token=s.tokens[-1])  # (prefill's own is not used)
-                continue
-            if isinstance(item, DraftFallback):
-                self._fell_back(plan, item.when, f"{item.error} (in the verify replica)", item.error)
-                continue
-            if s.tokens:  # (prefill's token is no verify step)
-                plan.stats.add(item)
-            else:
-                timer.ttft_ms = timer.ms()
-            s.tokens += item.token_ids
-            yield item
+    async def _recover(self, plan: api.Plan, s: _Sessions, spec: Speculation, features: bool):
+        """After a lost verify replica: prefill the prompt and every emitted token but the last on a live prefill
+        replica, for a fresh session pending that last token, the state it had before the loss. Before the first
+        token: the prompt alone, in full, its first token drawn with the request's seed as if nothing had been
+        lost. Returns the handoff, the sampling parameters and the loop's Speculation for the fresh session."""
+        s.verify_sid = f"{plan.session_id}#{s.recoveries}"
+        ids, params = plan.prompt_ids, plan.params
+        if s.tokens:
+            ids, params = plan.prompt_ids + s.tokens[:-1], reseeded(plan.params, len(s.tokens))
+            spec = dataclasses.replace(spec, max_new_tokens=plan.max_new_tokens - (len(s.tokens) - 1), prompt_ids=ids)
+        handoff = await self._retrying(plan, "prefill", lambda: self.prefill.prefill.remote(ids, params, features))
+        if s.tokens:
+            handoff = dataclasses.replace(handoff, first_token=s.tokens[-1])  # (prefill's own is not used)
+            s.skip_first = True
+        return handoff, params, spec
+
+    def _decided(self, plan: api.Plan, opened: SessionOpened) -> None:
+        """What the verify replica decided for the request: declined by the gate, pre-drafting or not."""
+        plan.overlap = opened.overlap
+        if opened.declined:
+            plan.declined = True
+            self.metrics.declined(opened.declined)
 
     def _handed_off(self, handoff: KVHandoff, opened: SessionOpened, timer: api.Timer) -> None:
         """Record a KV handoff prefill -> verify: its latency and bytes (metrics, timings, ``recent_handoffs``)."""
@@ -443,71 +360,11 @@ class SpecDecodeIngress(OpenAIRoutes):
             "handoff_ms": opened.handoff_ms,
         })
 
-    def _policy(self, plan: api.Plan) -> AdaptiveK:
-        """A request's adaptive k, on this replica's measured costs and its drafter's acceptance so far."""
-        return AdaptiveK(self.costs[plan.drafter], self.acceptance[plan.drafter], k_max=plan.num_draft_tokens,
-                         load=lambda: self.active, max_load=self.config.speculation.off_above_concurrency,
-                         width=self._tree_width(plan))
-
-    def _tree_width(self, plan: api.Plan) -> int:
-        """Draft trees (speculation.tree_width) for a greedy request that does not pre-draft; chains otherwise."""
-        return self.config.speculation.tree_width if plan.params.greedy and not plan.overlap else 1
-
-    async def _execute(self, calls: Calls, plan: api.Plan, s: _Sessions) -> Results:
-        """Run one round of the loop's stage calls (both at once when it pre-drafts) and time each."""
-
-        async def propose(p: Propose):
-            try:
-                return await self._call("draft", s.draft.propose.remote(s.draft_sid, p.k, p.accepts, p.forced, p.guesses,
-                                                                        p.width))
-            except Exception as exc:  # noqa: BLE001 - go on with the target alone
-                self._draft_lost(plan, s, exc, "propose")
-                return None
-
-        async def verify(v: Verify):
-            while True:
-                try:
-                    if self.config.speculation.stream_off and not plan.drafting:  # one streamed call
-                        return await self._decoded(plan, s)
-                    return await self._call("verify", s.verify.verify.remote(s.verify_sid, v.draft_ids, v.probs, v.parents))
-                except Exception as exc:  # noqa: BLE001 - a lost replica is recovered from; anything else is raised
-                    self._stop_decoding(s)
-                    if not _replica_lost(exc):
-                        raise
-                    await self._reopen_verify(plan, s, exc)  # then verify the same block again
-
-        return await execute_async(calls, propose, verify)
-
-    async def _decoded(self, plan: api.Plan, s: _Sessions):
-        """The next verdict of the request's decode stream (Verify.decode: speculation off as one streamed call),
-        which is opened at the first step and again after a recovery, for the tokens still to come."""
-        if s.decoding is None:
-            self._start_decoding(plan, s, plan.max_new_tokens - len(s.tokens))
-        try:
-            verdict = await self._call("verify", anext(s.decoding))
-        except StopAsyncIteration:  # (the loop asks for no step beyond max_new_tokens or an end-of-sequence token)
-            raise RuntimeError("the verify stage's decode stream ended before the request") from None
-        now = time.perf_counter()
-        if s.decoded_at is not None:  # a token's time on this path, for RequestGate (not the stream's first)
-            self.costs[plan.drafter].observe_off_step(now - s.decoded_at)
-        s.decoded_at = now
-        return verdict
-
-    def _start_decoding(self, plan: api.Plan, s: _Sessions, max_tokens: int, opening=None) -> DeploymentResponseGenerator:
-        """Open the request's decode stream on its verify replica (``opening``: on any replica, opening the session
-        there first); the ingress cancels it when the request ends (``_stop_decoding``)."""
-        handle = self.verify if opening is not None else s.verify
-        # (by value only without an opening: its KV handoff is an object reference, which must go by reference)
-        by_value = opening is None and self.config.speculation.stream_by_value
-        s.decoding = handle.options(stream=True, _by_reference=not by_value).decode.remote(
-            s.verify_sid, max_tokens, sorted(self.target.eos_token_ids), opening)
-        return s.decoding
-
     @staticmethod
-    def _stop_decoding(s: _Sessions) -> None:
-        if s.decoding is not None:
-            s.decoding.cancel()
-            s.decoding, s.decoded_at = None, None
+    def _stop_stream(s: _Sessions) -> None:
+        if s.stream is not None:
+            s.stream.cancel()
+            s.stream = None
 
     # -- recovery from lost replicas ------------------------------------------------------------
 
@@ -542,107 +399,6 @@ class SpecDecodeIngress(OpenAIRoutes):
         self.metrics.recovery(stage)
         self.recoveries[stage] += 1
 
-    async def _reopen_verify(self, plan: api.Plan, s: _Sessions, exc: BaseException) -> int:
-        """The verify session's replica is gone: prefill the prompt and every emitted token but the last on a live
-        prefill replica, and open the session again on a live verify replica, pending that last token — the state it
-        had before the failed call. Before the first token (a local prefill's first step was lost): the prompt alone,
-        in full, pending the prefill's own first token, drawn with the request's seed as if nothing had been lost.
-        Returns the pending token."""
-        self._lost(plan, "verify", exc, s)
-        self._detached(s.verify.close.remote, s.verify_sid)  # (a replica that is alive after all frees its KV)
-        s.verify_sid = f"{plan.session_id}#{s.recoveries}"
-        if s.tokens:
-            ids, pending, params = plan.prompt_ids + s.tokens[:-1], s.tokens[-1], reseeded(plan.params, len(s.tokens))
-        else:
-            ids, pending, params = plan.prompt_ids, None, plan.params
-        opened, pending = await self._open_verify(plan, s, ids, pending, params)
-        s.verify = self.verify.options(session_id=pin(opened.replica_id))
-        return pending
-
-    async def _first_step(self, plan: api.Plan, s: _Sessions, decodes: bool) -> int:
-        """The first token of a session opened with the prompt's last positions (``KVHandoff.prompt_rest``): its first
-        step computes them and draws it (the decode stream's first verdict, or a verify call without drafts). If the
-        verify replica is lost meanwhile, the prompt is prefilled in full and the session opened again on live
-        replicas, with the prefill's token (``_reopen_verify``)."""
-        try:
-            if decodes:
-                verdict = await self._decoded(plan, s)
-            else:
-                verdict = await self._call("verify", s.verify.verify.remote(s.verify_sid, [], None, None))
-            return verdict.token_ids[0]
-        except Exception as exc:  # noqa: BLE001 - a lost replica is recovered from; anything else is raised
-            self._stop_decoding(s)
-            if not _replica_lost(exc):
-                raise
-            return await self._reopen_verify(plan, s, exc)
-
-    async def _open_verify(self, plan: api.Plan, s: _Sessions, ids: list[int], pending: int | None,
-                           params) -> tuple[SessionOpened, int]:
-        """Open verify session ``s.verify_sid`` on a live replica from a prefill of ``ids`` (all of it: no positions
-        left to the verifier), pending ``pending`` (None: the prefill's own first token, for a request that has not
-        drawn it yet); returns the session and its pending token. A KV lost with its prefill replica (between
-        prefill and open) is prefilled again."""
-        while True:
-            handoff = await self._retrying(plan, "prefill", lambda: self.prefill.prefill.remote(ids, params, False))
-            if pending is not None:
-                handoff = dataclasses.replace(handoff, first_token=pending)  # (prefill's own next token is not used)
-            try:
-                opened = await self._retrying(plan, "verify", lambda: self._opening(
-                    s, "verify", s.verify_sid, lambda: self.verify.open.remote(s.verify_sid, handoff, params, s.features)))
-                return opened, handoff.first_token
-            except Exception as exc:  # noqa: BLE001
-                if not isinstance(unwrap(exc), ray_exceptions.ObjectLostError):
-                    raise
-                self._lost(plan, "prefill", exc, s)
-
-    def _draft_lost(self, plan: api.Plan, s: _Sessions, exc: BaseException, when: str) -> None:
-        """Go on with the target alone after a draft-stage failure; if the replica was lost, watch for a live one."""
-        self._fall_back(plan, exc, when)
-        if _replica_lost(exc) and s.draft_back is None and s.recoveries < MAX_RECOVERIES:
-            s.draft_back = asyncio.ensure_future(self._draft_replica_answers())
-
-    async def _draft_replica_answers(self) -> bool:
-        """True once a draft replica answers a call (within stage_timeout_s), False if none does."""
-        delay, give_up = RETRY_BACKOFF_S[0], time.monotonic() + self.config.limits.stage_timeout_s
-        while time.monotonic() < give_up:
-            try:
-                await self._call("draft", self.draft.stats.remote())
-                self.recoveries["draft_replica_answered"] += 1
-                return True
-            except Exception:  # noqa: BLE001 - the lost replica, or none yet: ask again
-                await asyncio.sleep(delay)
-                delay = min(2 * delay, RETRY_BACKOFF_S[1])
-        return False
-
-    async def _restart_draft(self, plan: api.Plan, s: _Sessions, loop: SpeculativeLoop) -> None:
-        """Open a fresh draft session over the prompt and every emitted token but the last, and draft again."""
-        back, s.draft_back = s.draft_back.result(), None
-        if not back:
-            return
-        ids = plan.prompt_ids + s.tokens[:-1]
-        params = reseeded(plan.params, len(s.tokens))
-        s.recoveries += 1  # (the loss was logged when the request fell back)
-        if s.draft is not None:
-            self._detached(s.draft.close.remote, s.draft_sid)
-        s.draft_sid = f"{plan.session_id}#{s.recoveries}"
-        self.metrics.recovery("draft")
-        self.recoveries["draft"] += 1
-        try:
-            handoff = None
-            if s.features:  # the drafter needs the target's features of all those tokens
-                handoff = await self._retrying(plan, "prefill", lambda: self.prefill.prefill.remote(ids, params, True))
-            opened = await self._call("draft", self._opening(
-                s, "draft", s.draft_sid, lambda: self.draft.start.remote(s.draft_sid, ids, params, plan.drafter, handoff)))
-        except Exception as exc:  # noqa: BLE001 - stay with the target alone
-            if not isinstance(unwrap(exc), DRAFT_FAILURES + REPLICA_LOST):
-                raise
-            logger.warning("request %s: the draft stage is still failing (%s); going on without speculation",
-                           plan.request_id, unwrap(exc))
-            return
-        s.draft = self.draft.options(session_id=pin(opened.replica_id))
-        loop.resume_drafting()
-        logger.info("request %s: speculation resumed on a draft replica after %d tokens", plan.request_id, len(s.tokens))
-
     async def _call(self, stage: str, response):
         """Await a stage call (a response, or a stream's next item); a stage that does not answer in time is
         UNAVAILABLE, not a hang."""
@@ -659,39 +415,32 @@ class SpecDecodeIngress(OpenAIRoutes):
                 response.cancel()
             raise StageUnavailableError(f"stage {stage!r} did not answer within {timeout:g}s") from None
 
-    def _fall_back(self, plan: api.Plan, exc: Exception, when: str) -> None:
-        """Turn speculation off for this request after a draft-stage failure, or re-raise any other error."""
-        cause = unwrap(exc)
-        if not isinstance(cause, DRAFT_FAILURES):
-            raise exc
-        self._fell_back(plan, when, cause, type(cause).__name__)
-
     def _fell_back(self, plan: api.Plan, when: str, cause, kind: str) -> None:
         logger.warning("request %s: draft stage failed at %s (%s); continuing without speculation", plan.request_id, when, cause)
         self.metrics.fallback(f"{when}: {kind}")
         plan.fallback = True
 
-    def _opening(self, s: _Sessions, stage: str, sid: str, make_call: Callable[[], DeploymentResponse]) -> _Opening:
-        """The call ``make_call()`` opening session ``sid`` on ``stage`` (verify ``open``, draft ``start``), made outside
-        the request: Serve cancels a request's stage calls with it, and a cancel that meets the replica's answer
-        leaves a session nobody closes (the replica had opened it, the answer is dropped; CI found sessions left so).
-        Awaited to its end (``_Opening``) the session is the request's to close; if the request ends first, it is
-        closed once the call answers (``_close_when_opened``, from ``s.openings``)."""
+    def _opening(self, s: _Sessions, sid: str, make_call: Callable[[], DeploymentResponse]) -> _Opening:
+        """The call ``make_call()`` opening verify session ``sid`` (``Verify.open``), made outside the request: Serve
+        cancels a request's stage calls with it, and a cancel that meets the replica's answer leaves a session
+        nobody closes (the replica had opened it, the answer is dropped; CI found sessions left so). Awaited to its
+        end (``_Opening``) the session is the request's to close; if the request ends first, it is closed once the
+        call answers (``_close_when_opened``, from ``s.openings``)."""
         response = contextvars.Context().run(make_call)  # no request context: not a child call of the request
         call = asyncio.get_running_loop().create_task(_awaited(response), context=contextvars.Context())
-        s.openings[call] = (stage, sid)
+        s.openings[call] = sid
         return _Opening(call, s.openings)
 
-    def _close_when_opened(self, stage: DeploymentHandle, sid: str, opening) -> None:
-        """Close session ``sid`` once the call ``opening`` it has answered, wherever it opened: the request ended
-        before it learnt the replica. (A streamed call that opens a session and is cancelled meanwhile — the decode
-        and speculate streams — closes it itself, on the replica: ``_Stage._open_session``.)"""
+    def _close_when_opened(self, sid: str, opening) -> None:
+        """Close verify session ``sid`` once the call ``opening`` it has answered, wherever it opened: the request
+        ended before it learnt the replica. (A cancelled open closes the session itself, on the replica:
+        ``_Stage._open_session``.)"""
         async def close():
             try:
                 opened = await opening
             except (Exception, asyncio.CancelledError):  # noqa: BLE001 - the session never opened (or closed itself)
                 return
-            await stage.options(session_id=pin(opened.replica_id)).close.remote(sid)
+            await self.verify.options(session_id=pin(opened.replica_id)).close.remote(sid)
 
         self._detached(close)
 
@@ -735,15 +484,12 @@ class SpecDecodeIngress(OpenAIRoutes):
                 logger.exception("placement check failed")
 
     async def policy_state(self) -> dict:
-        """What the adaptive policy has learned, per drafter: step costs (ms) and acceptance — on this replica (the
-        loops it drives, and its requests' decode streams), and under "verify_replica" on one verify replica (the
-        loops that run there: speculation.colocate_drafter / verify_driven)."""
-        state = {drafter: spec_policy.describe(costs, self.acceptance.get(drafter)) for drafter, costs in self.costs.items()}
+        """What the adaptive policy has learned, per drafter: step costs (ms) and acceptance, under "verify_replica"
+        on one verify replica (where the loops run)."""
         try:
-            state["verify_replica"] = await self._call("verify", self.verify.policy_state.remote())
+            return {"verify_replica": await self._call("verify", self.verify.policy_state.remote())}
         except Exception as exc:  # noqa: BLE001 - a report: say why it lacks the replica's part
-            state["verify_replica"] = {"error": str(unwrap(exc))}
-        return state
+            return {"verify_replica": {"error": str(unwrap(exc))}}
 
     async def stats(self) -> dict:
         """This replica: requests running, resident memory, the lost stage replicas it has recovered from, by

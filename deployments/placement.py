@@ -11,14 +11,14 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable
 
-from deployments.config import INGRESS, STAGES, AppConfig, Placement
+from deployments.config import INGRESS, AppConfig, Placement
 
 
 def unplaceable(config: AppConfig, nodes: Iterable[dict]) -> dict[str, str]:
     """{stage: why} for each stage that no alive node (as ``ray.nodes()`` lists them) can host."""
     alive = [n for n in nodes if n.get("Alive", n.get("alive", False))]
     problems = {}
-    for stage in (*STAGES, INGRESS):
+    for stage in (*config.deployed_stages(), INGRESS):
         why = _why_not(config.placement(stage), alive)
         if why:
             problems[stage] = f"stage {stage!r} cannot be placed: {why}"

@@ -22,9 +22,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from services import draft_vocab, eagle_draft
-from services.eagle_draft import EAGLE_DRAFTER
+from services import draft_vocab
 from services.draft_vocab import DraftVocab
+from services.drafters import DRAFT_STREAM, EAGLE_DRAFTER, MODEL_DRAFTER, PROMPT_LOOKUP_DRAFTER, DrafterKind, register
+from services import drafters
 from services.errors import InvalidRequestError
 from services.models import eagle
 from services.loading import LoadedModel
@@ -35,11 +36,6 @@ from services.sessions import DEFAULT_MAX_KV_BYTES, DEFAULT_MAX_SESSIONS, Sessio
 from services.tree import MAX_TREE_WIDTH, side_ids, with_sides
 from services.validation import MAX_DRAFT_TOKENS, validate_num_draft_tokens, validate_prompt
 
-DRAFT_STREAM = 1  # random stream of draft samples (see sampling.make_generator)
-MODEL_DRAFTER = "model"
-PROMPT_LOOKUP_DRAFTER = "prompt_lookup"
-DRAFTERS = (MODEL_DRAFTER, PROMPT_LOOKUP_DRAFTER, EAGLE_DRAFTER)
-FEATURE_DRAFTERS = (EAGLE_DRAFTER,)  # drafters that read the target's features of the accepted positions
 MAX_GUESSES = 8  # verdicts pre_draft may draft a block for, per side (accepted / rejected)
 TOKEN_BYTES = 8  # bookkeeping size of a token id in a prompt-lookup session
 
@@ -60,6 +56,7 @@ class DraftProposal:
     probs: torch.Tensor | None  # [k', vocab_size] draft distributions q; None = one-hot
     branches: list[Branch] = field(default_factory=list)  # pre_draft's, most likely verdict first
     parents: list[int] | None = None  # the tokens as a draft tree (services.tree): the chain, then side nodes
+    draft_s: float = 0.0  # seconds of the drafter's pass that drafted it, where it drafts (a timeline's "draft")
 
 
 def guess_order(logits: torch.Tensor, width: int, exclude: int | None = None) -> list[int]:
@@ -154,6 +151,11 @@ class ModelDraftSession:
         self.proposal = forced
         return DraftProposal([], None, branches)
 
+    def pre_draft_steps(self, k: int, forced: Sequence[int], guesses: int):
+        """``pre_draft``, alone (its branches roll the KV back in turn: no batched pass)."""
+        return self.pre_draft(k, forced, guesses)
+        yield  # noqa: unreachable - a generator, as the protocol's steps are
+
     def _sample_chain(self, uncached: torch.Tensor, k: int, sides: list | None = None, width: int = 1):
         """k tokens, each from the logits of a forward pass over the uncached tokens (a generator of Forward);
         ``sides`` (greedy): filled with each depth's side nodes (``tree.side_ids``)."""
@@ -203,6 +205,14 @@ class PromptLookupSession:
         self.proposal = list(forced)
         branches = [Branch(len(forced), found[0], found[1:], None)] if found else []
         return DraftProposal([], None, branches)
+
+    def propose_steps(self, k: int, forced: Sequence[int] = (), width: int = 1):  # (no model pass; a chain)
+        return self.propose(k, forced)
+        yield  # noqa: unreachable - a generator, as the protocol's steps are
+
+    def pre_draft_steps(self, k: int, forced: Sequence[int], guesses: int):
+        return self.pre_draft(k, forced, guesses)
+        yield  # noqa: unreachable
 
     def accept(self, n_matches: int, next_token: int, features: torch.Tensor | None = None) -> None:  # features: unused
         self.tokens += _check_accept(self.proposal, n_matches) + [int(next_token)]
@@ -262,9 +272,9 @@ class DraftEngine:
 
     @property
     def drafters(self) -> tuple[str, ...]:
-        """The drafters this engine offers."""
-        offered = {MODEL_DRAFTER: self.runner is not None, PROMPT_LOOKUP_DRAFTER: True, EAGLE_DRAFTER: self.eagle_head is not None}
-        return tuple(d for d in DRAFTERS if offered[d])
+        """The drafter kinds this engine offers (services.drafters: those whose model or head it holds)."""
+        held = {"": True, "model": self.runner is not None, "head": self.eagle_head is not None}
+        return tuple(name for name, kind in drafters.kinds().items() if held.get(kind.needs, False))
 
     def start(
         self,
@@ -274,25 +284,12 @@ class DraftEngine:
         drafter: str = MODEL_DRAFTER,
         features: torch.Tensor | None = None,  # [len(prompt), hidden] the prefill's, for a feature drafter
     ) -> None:
-        """Open a session; for the model drafter, prefill the draft KV over the prompt."""
+        """Open a session of the drafter kind ``drafter`` over the prompt."""
         if drafter not in self.drafters:
             raise InvalidRequestError(f"unknown drafter {drafter!r}; this server offers {list(self.drafters)}")
         params.validate()
         ids = validate_prompt(prompt_ids, max_context=self.max_context, vocab_size=self.vocab_size)
-        if drafter == PROMPT_LOOKUP_DRAFTER:
-            self.sessions.put(request_id, PromptLookupSession(ids))
-            return
-        if drafter == EAGLE_DRAFTER:
-            generator = make_generator(params.seed, DRAFT_STREAM)
-            vocab_size = self.eagle_head.embed.shape[0]  # q spans the target's vocabulary, as its verifier's p does
-            session = eagle_draft.start_session(self.eagle_head, vocab_size, ids, params, generator, features)
-            self.sessions.put(request_id, session)
-            return
-        cache = self.runner.new_cache()
-        if len(ids) > 1:  # keep the last prompt token uncached: propose() starts from its logits
-            self.runner.forward(torch.tensor(ids[:-1]), cache, last_only=True)
-        generator = make_generator(params.seed, DRAFT_STREAM)
-        self.sessions.put(request_id, ModelDraftSession(self.runner, ids, params, generator, cache))
+        self.sessions.put(request_id, drafters.get(drafter).start(self, ids, params, features))
 
     def propose(self, request_id: str, k: int, forced: Sequence[int] = (), guesses: int = 0,
                 accepts: Sequence[tuple] = (), width: int = 1) -> DraftProposal:
@@ -323,10 +320,8 @@ class DraftEngine:
                     raise InvalidRequestError(f"two propose calls for session {call.request_id!r} in one pass")
                 seen.add(call.request_id)
                 session, forced = self._prepare(call)
-                if isinstance(session, eagle_draft.EagleDraftSession) and call.guesses:
+                if call.guesses:
                     steps[slot] = session.pre_draft_steps(call.k, forced, call.guesses)
-                elif isinstance(session, PromptLookupSession) or call.guesses:  # no model, or a model pre-draft: alone
-                    results[slot] = session.pre_draft(call.k, forced, call.guesses) if call.guesses else session.propose(call.k, forced)
                 else:
                     steps[slot] = session.propose_steps(call.k, forced, call.width)
             except Exception as exc:  # noqa: BLE001 - this call's error, in its slot
@@ -390,3 +385,15 @@ class DraftEngine:
 
     def close(self, request_id: str) -> None:
         self.sessions.pop(request_id)
+
+
+def _start_model(engine: DraftEngine, ids: list[int], params: SamplingParams, features=None) -> ModelDraftSession:
+    """A draft model's session: its KV prefilled over the prompt but the last token (propose starts from its logits)."""
+    cache = engine.runner.new_cache()
+    if len(ids) > 1:
+        engine.runner.forward(torch.tensor(ids[:-1]), cache, last_only=True)
+    return ModelDraftSession(engine.runner, ids, params, make_generator(params.seed, DRAFT_STREAM), cache)
+
+
+register(DrafterKind(MODEL_DRAFTER, _start_model, needs="model"))
+register(DrafterKind(PROMPT_LOOKUP_DRAFTER, lambda engine, ids, params, features=None: PromptLookupSession(ids)))

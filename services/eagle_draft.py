@@ -25,15 +25,15 @@ from pathlib import Path
 import torch
 
 from services.draft_vocab import scatter_kept
+from services.drafters import DRAFT_STREAM, EAGLE_DRAFTER, DrafterKind, register
 from services.errors import InvalidRequestError
-from services.loading import LoadedModel
+from services.loading import HeadParts, LoadedModel
 from services.models import eagle
-from services.sampling import SamplingParams, logits_to_probs, sample
+from services.sampling import SamplingParams, logits_to_probs, make_generator, sample
 from services.tree import side_ids, with_sides
 
 logger = logging.getLogger(__name__)
 
-EAGLE_DRAFTER = "eagle"
 HEAD_FILE = "eagle_head.safetensors"
 HEAD_REPORT = "eagle_head.json"  # recipe, measured acceptance and c, and the target it was trained for
 IDENTITY_IGNORES = ("dtype", "torch_dtype", "_name_or_path", "transformers_version", "architectures")
@@ -53,8 +53,9 @@ def target_identity(config) -> str:
     return hashlib.sha256(json.dumps(keep, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def load(path: Path, target: LoadedModel) -> eagle.EagleHead:
-    """Load a head for ``target``; a head trained for another target is refused with a clear error."""
+def load(path: Path, target: LoadedModel | HeadParts) -> eagle.EagleHead:
+    """Load a head for ``target`` (loaded, or the parts a head reads: loading.load_head_parts); a head trained for
+    another target is refused with a clear error."""
     report_path = path.with_name(HEAD_REPORT)
     report = json.loads(report_path.read_text()) if report_path.is_file() else {}
     trained_for, serving = report.get("target"), target_identity(target.config)
@@ -206,3 +207,12 @@ def start_session(head: eagle.EagleHead, vocab_size: int, prompt_ids: Sequence[i
             f"prompt features have shape {tuple(features.shape)}, expected ({len(prompt_ids)}, {head.feature_dim})"
         )
     return EagleDraftSession(head, vocab_size, list(prompt_ids), params, generator, features)
+
+
+def _start(engine, ids: list[int], params: SamplingParams, features: torch.Tensor | None) -> EagleDraftSession:
+    vocab_size = engine.eagle_head.embed.shape[0]  # q spans the target's vocabulary, as its verifier's p does
+    return start_session(engine.eagle_head, vocab_size, ids, params, make_generator(params.seed, DRAFT_STREAM), features)
+
+
+# an EAGLE chain step is ~1/8 of a target step: a pre-draft affords a block after each of 3 guesses
+register(DrafterKind(EAGLE_DRAFTER, _start, needs="head", reads_features=True, pre_draft_guesses=3))

@@ -202,3 +202,40 @@ def check_tokenizers(target: ModelInfo, draft_path: str | Path) -> None:
         (target.vocab_size, draft.vocab_size),
         (target.tokenizer, draft.tokenizer),
     )
+
+
+@dataclass
+class HeadParts:
+    """What an EAGLE head reads of its target (``eagle.EagleHead``), without the target: its config, its embeddings
+    and its last decoder layer (``model``: the target's architecture with that one layer; the rest unloaded)."""
+
+    config: Any  # the target's own config (its identity: eagle_draft.target_identity)
+    model: PreTrainedModel
+
+
+def load_head_parts(path: str | Path) -> HeadParts:
+    """The embeddings and the last decoder layer of the target in ``path`` (safetensors), in float32, read alone:
+    a drafter stage of its own needs them for an EAGLE head, not the target's other layers."""
+    import copy
+
+    from safetensors import safe_open
+
+    path = Path(path)
+    config = AutoConfig.from_pretrained(path)
+    last = config.num_hidden_layers - 1
+    one_layer = copy.deepcopy(config)
+    one_layer.num_hidden_layers = 1
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(one_layer)
+    wanted = {"model.embed_tokens.weight": "model.embed_tokens.weight"}
+    prefix = f"model.layers.{last}."
+    state = {}
+    for file in sorted(path.glob("*.safetensors")):
+        with safe_open(file, "pt") as f:
+            for key in f.keys():
+                if key in wanted or key.startswith(prefix):
+                    state[key.replace(prefix, "model.layers.0.")] = f.get_tensor(key).float()
+    if "model.embed_tokens.weight" not in state or not any(k.startswith("model.layers.0.") for k in state):
+        raise FileNotFoundError(f"{path} holds no safetensors with the target's embeddings and layer {last}")
+    model.load_state_dict(state, strict=False, assign=True)  # (the other tensors stay on the meta device, unread)
+    return HeadParts(config, model.eval().requires_grad_(False))

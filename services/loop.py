@@ -40,17 +40,16 @@ from typing import NamedTuple
 
 import torch
 
-from services.draft import EAGLE_DRAFTER, FEATURE_DRAFTERS, MODEL_DRAFTER, PROMPT_LOOKUP_DRAFTER, DraftEngine, DraftProposal
-from services.policy import AdaptiveK, CostModel
+from services import drafters
+from services.draft import DraftEngine, DraftProposal
+from services.drafters import MODEL_DRAFTER
+from services.policy import AdaptiveK, CostModel, decide
 from services.prefill import PrefillEngine
 from services.sampling import SamplingParams
 from services.tree import chain_length
 from services.validation import validate_max_new_tokens, validate_num_draft_tokens, validate_prompt
 from services.verify import VerifyEngine, VerifyResult
 
-# Top guesses of the target's next token a pre-draft drafts a block after, per drafter: what the drafter affords
-# during one verify pass (an EAGLE chain step is ~1/8 of a target step, a draft-model step ~1/3).
-PRE_DRAFT_GUESSES = {EAGLE_DRAFTER: 3, MODEL_DRAFTER: 1, PROMPT_LOOKUP_DRAFTER: 1}
 FINISH_STOP = "stop"  # an end-of-sequence token was generated
 FINISH_LENGTH = "length"  # max_new_tokens reached
 
@@ -64,6 +63,8 @@ class StepOutput:
     n_matches: int = 0  # of which the target accepted
     accepted: list[bool] = field(default_factory=list)  # per draft position
     finish_reason: str | None = None
+    pre_drafted: bool = False  # the drafter pre-drafted while this step's block was verified
+    pre_draft_hit: bool = False  # and the verdict was one it guessed: its block is the next one
 
 
 @dataclass
@@ -81,6 +82,8 @@ class SpeculationStats:
         self.steps += 1
         self.drafted += step.n_drafted
         self.accepted += step.n_matches
+        self.pre_drafts += step.pre_drafted
+        self.pre_draft_hits += step.pre_draft_hit
         for position, ok in enumerate(step.accepted):
             if position == len(self.accepted_per_position):
                 self.accepted_per_position.append(0)
@@ -266,15 +269,15 @@ class SpeculativeLoop:
                     accepts = []
                 accepts += drafter_accepts(verdict, chain)
             step = StepOutput(verdict.token_ids, len(block), verdict.n_matches, verdict.accepted)
-            self.stats.add(step)
             block, block_probs, parents = [], None, None
             if pre_draft is not None and self.drafting:
-                self.stats.pre_drafts += 1
+                step.pre_drafted = True
                 branch = next((b for b in results.proposal.branches
                                if (b.n_matches, b.next_token) == (verdict.n_matches, verdict.token_ids[-1])), None)
                 if branch is not None:  # the verdict was one the drafter guessed: its block is next
-                    self.stats.pre_draft_hits += 1
+                    step.pre_draft_hit = True
                     block, block_probs = branch.token_ids, branch.probs
+            self.stats.add(step)
 
     def _choose_k(self, remaining: int) -> int:
         if self.policy is not None:
@@ -335,7 +338,7 @@ def speculative_decode(
     ``policy`` picks k for every step (0 included; services.policy) from the costs it measures here; without one,
     k is ``num_draft_tokens`` throughout. With ``overlap`` the drafter pre-drafts in a second thread while the
     target verifies (torch releases the GIL in its kernels), ``guesses`` of the target's next token each (default:
-    ``PRE_DRAFT_GUESSES`` of the drafter). ``stats``, if given, is filled as the loop runs. ``tree_width`` > 1: a
+    the drafter kind's ``pre_draft_guesses``). ``stats``, if given, is filled as the loop runs. ``tree_width`` > 1: a
     greedy request drafts trees (services.tree). ``chained``: each drafting step is one round, its proposal and the
     verification of its drafts (as a verify replica with its own drafter runs it); the answer is the same.
     """
@@ -346,7 +349,7 @@ def speculative_decode(
         validate_num_draft_tokens(num_draft_tokens)
     prompt_ids = validate_prompt(prompt_ids, max_context=verify.max_context, vocab_size=target.vocab_size)
     validate_max_new_tokens(max_new_tokens, prompt_len=len(prompt_ids), max_context=verify.max_context)
-    features = draft is not None and drafter in FEATURE_DRAFTERS  # the drafter reads the target's features
+    features = draft is not None and drafters.reads_features(drafter)  # the drafter reads the target's features
     # 1. prefill the target (and start the draft session over the same prompt)
     result = prefill.prefill(prompt_ids, params, features=features, local_tokens=local_tokens)
     if draft is not None:
@@ -360,10 +363,14 @@ def speculative_decode(
         first_token = result.first_token
         if first_token is None:
             (first_token,) = verify.verify(request_id, []).token_ids
+        # (the server's rule, services.policy.decide: pre-drafting where the drafter runs beside the verifier — here
+        # in a thread of its own — and trees for greedy requests that do not pre-draft)
+        decided = decide(drafter if draft is not None else "", num_draft_tokens, adaptive=policy is not None,
+                         greedy=params.greedy, tree_width=tree_width, overlap=overlap, remote=overlap)
         loop = SpeculativeLoop(first_token, max_new_tokens=max_new_tokens, eos=target.eos_token_ids,
                                num_draft_tokens=num_draft_tokens, drafting=draft is not None, policy=policy,
-                               overlap=overlap, guesses=guesses or PRE_DRAFT_GUESSES[drafter], stats=stats,
-                               tree_width=tree_width if params.greedy and not overlap else 1, chained=chained)
+                               overlap=decided.overlap, guesses=guesses or decided.guesses, stats=stats,
+                               tree_width=decided.tree_width, chained=chained)
         yield from drive(loop, draft, verify, request_id, pool)
     finally:
         if pool is not None:

@@ -48,6 +48,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from services import drafters
 from services.tree import tree_rows
 
 EMA_WEIGHT = 0.2  # weight of a new measurement in the moving averages
@@ -101,13 +102,6 @@ class CostModel:
     propose_s: dict[int, float] = field(default_factory=dict)
     overhead_s: float = 0.0  # per step, beyond the stage calls
     min_propose_s: dict[int, float] = field(default_factory=dict)  # the fastest proposal of each k (a benchmark's ideal)
-    # per token of a request decoding without a drafter, as the driver sees it (None: not measured). A driver that
-    # decodes such requests faster than a k = 0 step of a speculating request (the graph streams them) sets it, and
-    # ``RequestGate`` weighs speculation against it
-    off_step_s: float | None = None
-
-    def observe_off_step(self, seconds: float) -> None:
-        self.off_step_s = _capped_average(self.off_step_s, seconds)
 
     def observe_verify(self, tokens: int, seconds: float) -> None:
         _ema(self.verify_s, tokens, seconds)
@@ -196,19 +190,10 @@ class AdaptiveK:
 
     def would_speculate(self) -> bool:
         """Whether a request's first step would draft (without probing): not overloaded, and the costs and the
-        acceptance measured so far say speculation pays — also against a request without a drafter, where the
-        driver measured those (``CostModel.off_step_s``) — or nothing has been measured yet."""
+        acceptance measured so far say speculation pays, or nothing has been measured yet."""
         if self.overloaded:
             return False
-        if self.costs.step(1) is None:
-            return True
-        best = self._best(self.k_max)
-        if best == 0:
-            return False
-        if self.costs.off_step_s is None:
-            return True
-        gains = expected_tokens([self.counts.rate(j, self.prior) for j in range(best)])
-        return gains[best] / self._step(best) >= (1 + self.margin) / self.costs.off_step_s
+        return self.costs.step(1) is None or self._best(self.k_max) > 0
 
     def _step(self, k: int) -> float | None:
         return self.costs.step(k, tree_rows(k, self.width))
@@ -261,6 +246,43 @@ class RequestGate:
         return DECLINED_COST
 
 
+@dataclass(frozen=True)
+class RequestPolicy:
+    """How one request's loop drafts: decided in one place (``decide``), run by every driver."""
+
+    drafter: str  # the drafter kind; "" = the target alone
+    num_draft_tokens: int  # k, or the largest k when ``adaptive``
+    adaptive: bool  # k picked per step (AdaptiveK)
+    tree_width: int = 1  # > 1: each step drafts a tree (greedy only: services.tree)
+    overlap: bool = False  # pre-drafting: the next block drafted while this one is verified (services.loop)
+    guesses: int = 0  # likely verdicts a pre-draft drafts a block after (the kind's pre_draft_guesses)
+
+    @property
+    def reads_features(self) -> bool:
+        return drafters.reads_features(self.drafter)
+
+
+def decide(drafter: str, num_draft_tokens: int, *, adaptive: bool, greedy: bool, tree_width: int = 1,
+           overlap: bool | None = None, remote: bool = False) -> RequestPolicy:
+    """A request's policy: ``drafter`` "" runs the target alone. Pre-drafting (``overlap``; None: wherever it can)
+    needs a drafter that runs beside the verifier, not on its engine thread (``remote``); trees are for greedy
+    requests that do not pre-draft (a pre-draft guesses verdicts on a chain)."""
+    if not drafter:
+        return RequestPolicy("", 0, False)
+    overlap = remote and (overlap is None or overlap)
+    return RequestPolicy(drafter, num_draft_tokens, adaptive, tree_width if greedy and not overlap else 1, overlap,
+                         drafters.get(drafter).pre_draft_guesses if overlap else 0)
+
+
+def adaptive_k(policy: RequestPolicy, costs: CostModel, acceptance: AcceptanceCounts, *,
+               load: Callable[[], int] | None = None, max_load: int = 0) -> AdaptiveK | None:
+    """The request's AdaptiveK on its driver's measured costs and its drafter's acceptance; None for a pinned k."""
+    if not (policy.drafter and policy.adaptive):
+        return None
+    return AdaptiveK(costs, acceptance, k_max=policy.num_draft_tokens, load=load, max_load=max_load,
+                     width=policy.tree_width)
+
+
 def describe(costs: CostModel, counts: AcceptanceCounts | None) -> dict:
     """What a driver's policy has learned for one drafter: step costs (ms) and acceptance by position."""
     return {
@@ -268,7 +290,6 @@ def describe(costs: CostModel, counts: AcceptanceCounts | None) -> dict:
         "propose_ms": {k: round(s * 1000, 2) for k, s in sorted(costs.propose_s.items())},
         "min_propose_ms": {k: round(s * 1000, 3) for k, s in sorted(costs.min_propose_s.items())},
         "overhead_ms": round(costs.overhead_s * 1000, 2),
-        "off_step_ms": round(costs.off_step_s * 1000, 2) if costs.off_step_s is not None else None,
         "acceptance_by_position": [round(counts.rate(j), 3) for j in range(len(counts.reached))] if counts else [],
     }
 

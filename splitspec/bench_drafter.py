@@ -31,7 +31,8 @@ import statistics
 
 import torch
 
-from services.draft import EAGLE_DRAFTER, MODEL_DRAFTER, DraftEngine
+from services.draft import DraftEngine
+from services.drafters import EAGLE_DRAFTER, MODEL_DRAFTER
 from services.eagle_draft import installed_head
 from services.loading import LoadedModel
 from services.loop import GenerationResult, SpeculationStats, generate

@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from services.draft import EAGLE_DRAFTER, MODEL_DRAFTER, PROMPT_LOOKUP_DRAFTER, DraftEngine
+from services.draft import DraftEngine
+from services.drafters import EAGLE_DRAFTER, MODEL_DRAFTER, PROMPT_LOOKUP_DRAFTER
 from services.eagle_draft import installed_head
 from services.loading import LoadedModel
 from services.loop import GenerationResult, SpeculationStats, generate, speculative_decode

@@ -113,7 +113,8 @@ def _write_report(args, report: dict, plot=None, ok: bool | None = None) -> int:
 
 
 def cmd_generate_local(args) -> int:
-    from services.draft import EAGLE_DRAFTER, MODEL_DRAFTER, DraftEngine
+    from services.draft import DraftEngine
+    from services.drafters import EAGLE_DRAFTER, MODEL_DRAFTER
     from services.eagle_draft import installed_head
     from services.loop import SpeculationStats, speculative_decode
     from services.policy import DEFAULT_MAX_DRAFT_TOKENS, AdaptiveK, CostModel
@@ -133,8 +134,10 @@ def cmd_generate_local(args) -> int:
     engines = PrefillEngine(target), draft_engine, VerifyEngine(target)
     tokens, stats = [], SpeculationStats()
     max_new_tokens = args.max_new_tokens or Limits().default_max_new_tokens  # (what the server would use)
+    tree_width = _load_config(None).speculation.tree_width  # (greedy requests draft trees, as the server's do)
     for step in speculative_decode(*engines, ids, max_new_tokens=max_new_tokens, num_draft_tokens=args.k or DEFAULT_MAX_DRAFT_TOKENS,
-                                   params=params, drafter=drafter, policy=policy, overlap=bool(args.overlap), stats=stats):
+                                   params=params, drafter=drafter, policy=policy, overlap=bool(args.overlap), stats=stats,
+                                   tree_width=tree_width):
         before = target.tokenizer.decode(tokens, skip_special_tokens=True)
         tokens += step.token_ids
         sys.stdout.write(target.tokenizer.decode(tokens, skip_special_tokens=True)[len(before):])
@@ -293,8 +296,9 @@ def cmd_generate(args) -> int:
 
 
 @contextlib.contextmanager
-def _service(args):
-    """The gRPC address to benchmark: ``--address``, or a local cluster serving ``--config`` until the block ends.
+def _service(args, config=None):
+    """The gRPC address to benchmark: ``--address``, or a local cluster serving ``config`` (default: ``--config``)
+    until the block ends.
 
     Yields (address, local): ``local`` is True when this process started the service (its Serve handles work).
     """
@@ -304,7 +308,7 @@ def _service(args):
     from services.models import default_pair
     from splitspec import cluster
 
-    config = _load_config(args.config)  # the built-in defaults without --config
+    config = config or _load_config(args.config)  # the built-in defaults without --config
     default_pair.prepare()
     local = cluster.LocalCluster(nodes=args.nodes, dashboard=False, log_to_driver=False).start()
     try:
@@ -315,21 +319,49 @@ def _service(args):
 
 
 def cmd_bench_grpc(args) -> int:
-    from splitspec import bench_grpc, cluster
+    if args.layouts:
+        return _bench_layouts(args)
+    report = _bench_grpc(args)
+    if not args.check:
+        return _write_report(args, report, _plot_grpc)
+    for error in report["errors"]:
+        print(f"  ERROR prompt {error['prompt']} ({error['category']}), {error['policy']}: {error['code']}: "
+              f"{error['details']}")
+    for mismatch in report["mismatches"]:
+        print(f"  MISMATCH prompt {mismatch['prompt']} ({mismatch['category']}), {mismatch['policy']} vs off")
+    print(f"check: {report['prompts']} prompts, {len(report['errors'])} errors, {len(report['mismatches'])} answers "
+          f"differing from speculation off: {'OK' if report['ok'] else 'FAILED'}")
+    return _write_report(args, report, _plot_grpc, ok=report["ok"])
+
+
+def _plot_grpc(report: dict, path: str) -> None:
+    from splitspec import bench_grpc
+
+    bench_grpc.plot(report, path)
+
+
+def _bench_grpc(args, config=None) -> dict:
+    """One service (``_service``): the policies side by side, printed; with ``--timeline``, one request's loop."""
+    from splitspec import bench_grpc, bench_layouts, cluster
     from splitspec.client import SpecDecodeClient
 
-    with _service(args) as (address, local):
+    config = config or _load_config(args.config)
+    with _service(args, config) as (address, local):
         with SpecDecodeClient(address) as client:
             with _progress_bar("prompts") as progress:
                 report = bench_grpc.run(client, num_prompts=args.prompts, max_new_tokens=args.max_new_tokens,
                                         prompt_set=args.prompt_set, check=args.check, progress=progress,
                                         policies=args.policies.split(",") if args.policies else None)
+            if local and args.timeline:  # one request of the server default, its loop as the verify replica saw it
+                prompt = bench_grpc.prompts_of(args.prompt_set)[0]
+                client.generate(messages=[("user", prompt)], max_new_tokens=args.max_new_tokens)
+                report["timeline"] = cluster.handle("Verify").recent_timelines.remote().result(timeout_s=30)[-1]
+                report["timeline"]["summary"] = bench_layouts.summarize(report["timeline"])
         if local:  # what the server's adaptive policy learned during the run
             ingress = cluster.handle("SpecDecodeIngress")
             report["server_policy_state"] = ingress.policy_state.remote().result(timeout_s=30)
             print(f"server's adaptive policy state: {json.dumps(report['server_policy_state'])}")
-            bench_grpc.add_drafting_ideal(report, report["server_policy_state"],
-                                          _load_config(args.config).speculation.tree_width)
+            bench_grpc.add_drafting_ideal(report, report["server_policy_state"], config.speculation.tree_width)
     print(f"\ngRPC, single stream, greedy, {report['prompts']} {report['prompt_set']} prompts x {report['max_new_tokens']} tokens:")
     for name, r in report["policies"].items():
         acc = "" if r["acceptance_rate"] is None else f", acceptance {r['acceptance_rate']:.1%}, mean accepted length {r['mean_accepted_length']:.2f}"
@@ -343,17 +375,33 @@ def cmd_bench_grpc(args) -> int:
             f"{name} {r['ratio_vs_off']:.2f}x" + ("" if r["mean_accepted_length"] is None else
                                                   f" (mean accepted length {r['mean_accepted_length']:.2f})")
             for name, r in per_policy.items() if name != "off"))
+    if "timeline" in report:
+        t = report["timeline"]
+        print(f"one server-default request's loop (drafting {t['drafting'] or 'off'}, {t['drafter'] or 'no drafter'}"
+              f"{', pre-drafting' if t['overlap'] else ''}):\n{bench_layouts.format_timeline(t)}")
     print(f"greedy identical across policies: {report['greedy_identical']}")
-    if not args.check:
-        return _write_report(args, report, bench_grpc.plot)
-    for error in report["errors"]:
-        print(f"  ERROR prompt {error['prompt']} ({error['category']}), {error['policy']}: {error['code']}: "
-              f"{error['details']}")
-    for mismatch in report["mismatches"]:
-        print(f"  MISMATCH prompt {mismatch['prompt']} ({mismatch['category']}), {mismatch['policy']} vs off")
-    print(f"check: {report['prompts']} prompts, {len(report['errors'])} errors, {len(report['mismatches'])} answers "
-          f"differing from speculation off: {'OK' if report['ok'] else 'FAILED'}")
-    return _write_report(args, report, bench_grpc.plot, ok=report["ok"])
+    return report
+
+
+def _bench_layouts(args) -> int:
+    """``--layouts``: each layout on a local cluster of its own (splitspec.bench_layouts), one after the other."""
+    from splitspec import bench_layouts
+
+    if args.address:
+        raise SystemExit("--layouts starts its own local clusters: drop --address")
+    base = _load_config(args.config)
+    reports = {}
+    for layout in args.layouts.split(","):
+        print(f"\n== layout {layout} ==")
+        reports[layout] = _bench_grpc(args, bench_layouts.layout_config(base, layout))
+    ratios = bench_layouts.compare(reports)
+    print("\nlayouts side by side (tok/s against the same policy colocated):")
+    for layout, per_policy in ratios.items():
+        print(f"  {layout}: " + ", ".join(f"{name} {x:.2f}x" for name, x in per_policy.items()))
+    report = {"layouts": reports, "vs_colocated": ratios,
+              "greedy_identical": all(r["greedy_identical"] for r in reports.values())}
+    return _write_report(args, report, bench_layouts.plot,
+                         ok=report["greedy_identical"] and all(r.get("ok", True) for r in reports.values()))
 
 
 def cmd_bench_load(args) -> int:
@@ -560,6 +608,12 @@ def build_parser() -> argparse.ArgumentParser:
     grpc_bench.add_argument("--check", action="store_true",
                             help="a regression run: record failed calls instead of stopping, compare every greedy "
                             "answer with speculation off's, exit 1 on any error or difference")
+    grpc_bench.add_argument("--layouts", help="comma-separated serving layouts, each on a local cluster of its own, "
+                            "side by side: colocated (the verify replica drafts) and disaggregated (the draft stage "
+                            "drafts), verify alone on the last CPU in both (splitspec.bench_layouts)")
+    grpc_bench.add_argument("--timeline", action="store_true", help="also print one server-default request's loop "
+                            "as its verify replica timed it: per round the verify pass, the proposal, the drafter's "
+                            "pass within it and the hop")
     grpc_bench.set_defaults(fn=cmd_bench_grpc)
     load = bench.add_parser("load", help="throughput and latency percentiles under concurrent streams (closed and open loop)")
     _service_args(load, prompts=16)

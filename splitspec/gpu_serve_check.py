@@ -158,7 +158,7 @@ def run_config(run: str, pair: tuple[Path, Path], device: str) -> dict:
     if run == "mixed":
         stages["draft"].update(device="cpu", dtype="float32", threads=DRAFT_CPU_THREADS if device == "cuda" else 1)
         stages["draft"]["placement"]["num_gpus"] = 0
-        data["speculation"] = {"colocate_drafter": False}
+        data["speculation"] = {"drafting": "remote"}  # (the draft stage on the CPU: a device of its own)
     if device == "cpu":
         for stage in stages.values():
             stage["device"] = "cpu"

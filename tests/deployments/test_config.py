@@ -35,7 +35,8 @@ def test_shipped_configs_validate(name):
     {"stages": {"verify": {"dtype": "bfloat16"}}},  # prefill stays float32: the KV could not pass between them
     {"stages": {"draft": {"dtype": "int4"}}},
     {"limits": {"request_timeout_s": 60, "session_idle_s": 60}},  # a live request's sessions could be closed
-    {"speculation": {"verify_driven": True}},  # it asks the draft stage: needs colocate_drafter off
+    {"speculation": {"drafting": "elsewhere"}},
+    {"models": {"drafter_modules": ["no_such_module_here"]}},  # a drafter kind's module that cannot be imported
     {"stages": {"prefill": {"kv_capacity": 1024}}},  # only the verify stage holds sessions
     {"stages": {"verify": {"kv_capacity": -1}}},
     {"stages": {"draft": {"pass_slots": 4}}},
@@ -68,7 +69,7 @@ def test_stage_access_log(access_log):
     per-request log is Serve's default either way."""
     ingress = build_app({"stage_access_log": access_log})._bound_deployment
     stages = [arg._bound_deployment for arg in ingress.init_args[1:]]
-    assert [d.name for d in stages] == ["Prefill", "Draft", "Verify"]
+    assert [d.name for d in stages] == ["Prefill", "Verify"]  # (no draft stage: requests draft locally here)
     assert all(d._deployment_config.logging_config["enable_access_log"] is access_log for d in stages)
     assert (ingress._deployment_config.logging_config or {}).get("enable_access_log", True) is True
 
@@ -81,7 +82,7 @@ def test_replica_one_loop(one_loop):
     replicas = [ingress] + [arg._bound_deployment for arg in ingress.init_args[1:]]
     expected = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0" if one_loop else "1",
                 "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0" if one_loop else "1"}
-    assert [d.ray_actor_options["runtime_env"]["env_vars"] for d in replicas] == [expected] * 4
+    assert [d.ray_actor_options["runtime_env"]["env_vars"] for d in replicas] == [expected] * 3
     assert AppConfig().replica_one_loop is True
 
 
@@ -100,10 +101,30 @@ def test_direct_ingress(direct):
     assert not direct_ingress_fits(AppConfig.model_validate({"direct_ingress": direct, "ingress_replicas": 2}))
 
 
-def test_decode_streams_go_by_value_by_default():
-    """A request without speculation streams its tokens by value (Serve's direct gRPC), unless the config says not."""
-    assert AppConfig().speculation.stream_by_value is True
-    assert AppConfig.model_validate({"speculation": {"stream_by_value": False}}).speculation.stream_by_value is False
+@pytest.mark.parametrize("draft,verify,remote", [
+    ({}, {}, False),  # one machine, nothing pinned: the verify replica drafts
+    ({"placement": {"resources": {"splitspec_draft": 0.01}}}, {"placement": {"resources": {"splitspec_verify": 0.01}}},
+     False),  # custom resources alone (a local cluster's) say nothing of the hardware
+    ({"placement": {"label_selector": {"a": "draft"}}}, {"placement": {"label_selector": {"a": "verify"}}}, True),
+    ({"placement": {"label_selector": {"a": "x"}}}, {"placement": {"label_selector": {"a": "x"}}}, False),
+    ({"device": "cuda", "placement": {"num_gpus": 1}}, {"device": "cuda", "placement": {"num_gpus": 1}}, True),
+    ({"device": "cuda", "placement": {"num_gpus": 0.5}}, {"device": "cuda", "placement": {"num_gpus": 0.5}}, False),
+    ({}, {"device": "cuda", "placement": {"num_gpus": 1}}, True),  # the drafter on the CPU, the target on a GPU
+    ({"placement": {"cpus": [0]}}, {"placement": {"cpus": [1]}}, True),  # a core of its own
+    ({"placement": {"cpus": [0, 1]}}, {"placement": {"cpus": [1]}}, False),
+    ({"placement": {"cpus": [0]}}, {}, False),  # verify may run anywhere, on CPU 0 too
+])
+def test_drafting_is_placed_by_hardware(draft, verify, remote):
+    """speculation.drafting auto: remote where the draft stage has a device of its own; the draft stage is deployed
+    only then. local / remote force it."""
+    config = AppConfig.model_validate({"stages": {"draft": draft, "verify": verify}})
+    assert config.remote_drafting() is remote
+    assert ("draft" in config.deployed_stages()) is remote
+    for forced in ("local", "remote"):
+        data = config.model_dump() | {"speculation": {"drafting": forced}}
+        assert AppConfig.model_validate(data).remote_drafting() is (forced == "remote")
+    names = [arg._bound_deployment.name for arg in build_app(config.model_dump())._bound_deployment.init_args[1:]]
+    assert names == ["Prefill", "Verify"]  # (the draft stage, where deployed, is bound to Verify)
 
 
 def test_engine_nice_defaults_and_bounds():

@@ -67,7 +67,8 @@ def loaded(prometheus):
     """Serve, send a bounded load (good and bad requests), wait until Prometheus has scraped it all."""
     os.environ["RAY_metrics_report_interval_ms"] = "1000"
     try:
-        with serving(make_config(), dashboard=True) as client:  # the dashboard writes the discovery file
+        # (the remote layout: pre-drafting for the hit-rate panel, and the draft stage's own panels)
+        with serving(make_config(speculation={"drafting": "remote"}), dashboard=True) as client:  # (the dashboard writes the discovery file)
             sent = 0
             for i, (policy, stream) in enumerate(LOAD):
                 messages = [("user", PROMPTS[i % len(PROMPTS)])]

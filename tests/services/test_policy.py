@@ -209,20 +209,3 @@ def test_request_gate_serves_without_a_drafter_where_speculation_does_not_pay():
     load[0] = 2
     assert gate.decline(loaded) == ""
     assert {RequestGate(explore_every=1).decline(no_gain) for _ in range(3)} == {""}  # 1: always speculate
-
-
-def test_request_gate_weighs_speculation_against_the_measured_path_without_a_drafter():
-    """Where the driver decodes requests without a drafter faster than a k = 0 step of a speculating request (the
-    graph streams them: no stage call per token), speculation must beat that measured time per token."""
-    acceptance = counts([0.5, 0.3, 0.2, 0.1])
-    model = costs(40e-3, 0.1, 4e-3, hop=4e-3)  # k = 1: 1.5 tokens per 52 ms (34.7 ms a token) vs 40 ms at k = 0
-    assert AdaptiveK(model, prior=acceptance).would_speculate()
-    model.observe_off_step(36e-3)  # streamed: within the margin of speculation's 34.7 ms a token
-    assert not AdaptiveK(model, prior=acceptance).would_speculate()
-    assert RequestGate().decline(AdaptiveK(model, prior=acceptance)) == DECLINED_COST
-    faster = costs(40e-3, 0.1, 4e-3, hop=4e-3)
-    faster.observe_off_step(45e-3)  # slower than speculating: it pays
-    assert AdaptiveK(faster, prior=acceptance).would_speculate()
-    for _ in range(30):
-        faster.observe_off_step(30e-3)  # the moving average follows the path's cost
-    assert not AdaptiveK(faster, prior=acceptance).would_speculate()

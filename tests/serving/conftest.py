@@ -107,11 +107,13 @@ def held(deployment: str) -> bool:
 
 
 def open_sessions() -> dict[str, int]:
-    """Sessions open, and KV bytes held, on the Draft and on the Verify replica (and the verify replica's own
-    drafter's sessions: speculation.colocate_drafter)."""
-    stats = {d: handle(d).stats.remote().result(timeout_s=60) for d in ("Draft", "Verify")}
+    """Sessions open, KV bytes held and loops running on the Verify replica, its own drafter's sessions (drafting
+    local), and the Draft replica's sessions and KV where the app has a draft stage (drafting remote)."""
+    stats = {"Verify": handle("Verify").stats.remote().result(timeout_s=60)}
+    if stats["Verify"]["drafting"] == "remote":
+        stats["Draft"] = handle("Draft").stats.remote().result(timeout_s=60)
     held = {f"{d} {what}": s[what] for d, s in stats.items() for what in ("sessions", "kv_bytes")}
-    return {**held, "Verify draft_sessions": stats["Verify"]["draft_sessions"]}
+    return {**held, "Verify draft_sessions": stats["Verify"]["draft_sessions"], "Verify loops": stats["Verify"]["loops"]}
 
 
 @pytest.fixture(scope="session")

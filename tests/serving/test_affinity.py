@@ -1,4 +1,4 @@
-"""Two replicas per stage and 8 concurrent streams: every answer is correct, so each session's calls met its replica."""
+"""The remote layout, two replicas per stage and 8 concurrent streams: every answer is correct, so each session's calls met its replica."""
 
 import concurrent.futures
 
@@ -16,7 +16,7 @@ TWO = {"num_replicas": 2}
 @pytest.fixture(scope="module")
 def client():
     with serving(make_config(stages={"prefill": TWO, "draft": TWO, "verify": TWO}, ingress_replicas=2,
-                                 speculation={"colocate_drafter": False})) as client:
+                                 speculation={"drafting": "remote"})) as client:
         yield client
 
 

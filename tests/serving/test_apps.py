@@ -63,7 +63,7 @@ def test_missing_draft_stage_degrades_to_target_alone(proxied, reference):
     """Without a placeable drafter, requests still get the target's exact answer, speculation off and counted as a fallback."""
     data = placements_for(1, make_config(placement_timeout_s=3)).model_dump()
     data["stages"]["draft"]["placement"] = {"label_selector": {"splitspec.io/accelerator": "nowhere"}}
-    data["speculation"]["colocate_drafter"] = False  # (colocated, the verify replica drafts: no draft stage needed)
+    data["speculation"]["drafting"] = "remote"  # (drafting locally, the verify replica drafts: no draft stage needed)
     with pytest.raises(PlacementError) as err:
         deploy(type(make_config()).model_validate(data), name="nodraft", route_prefix="/nodraft")
     assert list(err.value.problems) == ["draft"]

@@ -1,5 +1,5 @@
-"""speculation.colocate_drafter (the default): each verify replica drafts itself and a speculating request's loop runs there
-(Verify.speculate), with no draft-stage call. Greedy output equals the target alone for every drafter and for
+"""The local layout (speculation.drafting auto, on one machine where nothing gives the draft stage a device of its
+own): each verify replica drafts itself in the request's loop there, with no draft stage deployed. Greedy output equals the target alone for every drafter and for
 adaptive and pinned k; seeded sampling is reproducible and follows the target; concurrent sessions share draft and
 verify passes; a lost verify replica is recovered from; a cancelled stream leaves no session. Also, in this default
 config, a repeated prompt's last position prefilled by the verify replica (limits.local_prefill_tokens)."""
@@ -18,6 +18,7 @@ from tests.serving.conftest import (
 pytestmark = pytest.mark.slow
 
 VERIFY_CPU = max(os.sched_getaffinity(0))
+REPEAT_MODULE = "tests.serving.repeat_drafter"
 POLICIES = [dict(speculate=True, drafter=drafter, num_draft_tokens=k)
             for drafter in ("model", "eagle", "prompt_lookup") for k in (0, 1, 3)]  # k = 0: adaptive
 
@@ -28,9 +29,9 @@ def client():
     # verify alone on the last CPU, the ingress on the first (placement.cpus; one CPU: both on it)
     stages = {"verify": {"engine_nice": 0, "placement": {"cpus": [VERIFY_CPU]}},
               "prefill": {"saturated_nice": 19, "saturated_calls": 1}}
-    with serving(make_config(faults={"enabled": True}, stages=stages,
+    # (and a drafter kind of the tests' own: tests/serving/repeat_drafter.py)
+    with serving(make_config(faults={"enabled": True}, stages=stages, models={"drafter_modules": [REPEAT_MODULE]},
                              ingress_placement={"cpus": [min(os.sched_getaffinity(0))]})) as client:
-        # (colocate_drafter: the default)
         yield client
 
 
@@ -54,8 +55,23 @@ def test_greedy_equals_target_alone(client, reference, policy):
         assert stats.accepted + stats.steps + 1 >= len(response.token_ids)  # every token came from a step
         drafted += stats.drafted
     assert drafted > 0 or policy["drafter"] == "prompt_lookup"
-    assert _stats("Draft")["opened"] == 0  # the draft stage was never asked
+    assert _stats("Verify")["drafting"] == "local"  # (no draft stage: the app did not deploy one)
     assert _stats("Verify")["draft_passes"] > 0
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_a_drafter_kind_added_by_a_module_serves(client, reference, temperature):
+    """A drafter kind is one module and one registry line (tests/serving/repeat_drafter.py, named in
+    models.drafter_modules): requests name it, it drafts, and greedy answers stay the target's."""
+    kwargs = dict(messages=[("user", "Count from 1 to 10.")], max_new_tokens=MAX_NEW_TOKENS, drafter="repeat",
+                  num_draft_tokens=2, temperature=temperature, seed=5)
+    response = client.generate(**kwargs)
+    stats = response.speculation_stats
+    assert stats.drafter == "repeat" and stats.drafted > 0 and not stats.fell_back, stats
+    if temperature == 0:
+        assert list(response.token_ids) == reference("Count from 1 to 10.")
+    else:
+        assert list(client.generate(**kwargs).token_ids) == list(response.token_ids)  # seeded: reproducible
 
 
 def test_stream_matches_unary(client):
@@ -169,7 +185,7 @@ def test_verify_replica_lost_mid_stream(client, reference):
 
 def test_a_repeated_prompt_is_prefilled_by_the_verify_replica(client, reference):
     """limits.local_prefill_tokens (default 2): the same prompt again leaves its last position to the verify replica,
-    whose first step (a decode stream's, or a speculating loop's in the replica) computes it in a batched pass and
+    whose loop's first step computes it in a batched pass and
     draws the first token. Greedy answers stay the target's; a seeded sample is the one a full prefill gives."""
     prompt = "Name three primary colors."  # (sent by no other test: its first request is prefilled in full)
     before = local_prefills()
@@ -236,7 +252,7 @@ def test_a_saturated_engine_thread_runs_at_its_saturated_niceness(client):
 def test_replicas_run_their_methods_on_their_own_event_loop(client):
     """config.replica_one_loop (the default): no replica runs its methods on Serve's separate user-code thread, so a
     streamed token crosses no extra thread in the verify replica or the ingress."""
-    for deployment in ("SpecDecodeIngress", "Prefill", "Draft", "Verify"):
+    for deployment in ("SpecDecodeIngress", "Prefill", "Verify"):
         thread = _stats(deployment)["loop_thread"]
         assert "_run_user_code_event_loop" not in thread, (deployment, thread)
 

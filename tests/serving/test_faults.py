@@ -1,4 +1,5 @@
-"""Lost replicas, killed for real: the client sees no error and the target's exact greedy tokens.
+"""Lost replicas, killed for real: the client sees no error and the target's exact greedy tokens. In the remote
+layout (speculation.drafting remote: the draft stage drafts); the local layout's: test_colocated.py.
 
 Faults are injected deterministically (deployments.faults, config faults.enabled): a stage replica's Nth call
 exits its process, or holds until the test kills the replica through Ray. Serve starts a replacement each time.
@@ -25,7 +26,7 @@ LONG = ["Count from 1 to 100.", "Write a short story about a robot.", "List the 
 
 @pytest.fixture(scope="module")
 def client():
-    with serving(make_config(faults={"enabled": True}, speculation={"colocate_drafter": False})) as client:
+    with serving(make_config(faults={"enabled": True}, speculation={"drafting": "remote"})) as client:
         yield client
 
 
@@ -75,14 +76,14 @@ def test_verify_replica_killed_mid_stream(client, expected):
     assert _recoveries()["verify"] == before + 1
 
 
-def test_verify_replica_lost_mid_decode_stream(client, expected):
-    """Speculation off: the steps come from one streamed call to the verify replica (Verify.decode). Its 5th step
-    holds, the test kills the replica; the ingress reopens the session on the replacement and streams the rest."""
+def test_verify_replica_lost_mid_request_without_speculation(client, expected):
+    """Speculation off: the loop's 5th step holds, the test kills the replica; the ingress reopens the session on the
+    replacement and streams the rest."""
     before = _recoveries().get("verify", 0)
     name = arm("Verify", "verify", "hold", after=4)
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         answer = pool.submit(lambda: list(client.stream(messages=[("user", LONG[1])], speculate=False)))
-        until("a decode step held", lambda: held("Verify"))
+        until("a step held", lambda: held("Verify"))
         _kill(name)
         chunks = answer.result(timeout=BOUND_S)
     assert _tokens(chunks) == expected(LONG[1])
@@ -90,14 +91,13 @@ def test_verify_replica_lost_mid_decode_stream(client, expected):
     assert _recoveries()["verify"] == before + 1
     stats = until("the session closed on the replacement", lambda: handle("Verify").stats.remote().result(timeout_s=60),
                   done=lambda st: st["sessions"] == 0)
-    assert stats["decode_streams"] == 1 and stats["decoding"] == 0, stats
+    assert stats["loops"] == 0, stats
 
 
-def test_verify_replica_exits_opening_a_decode_stream(client, expected):
-    """Speculation off: the session opens (Verify.open, by reference: the handoff), then its stream decodes, by
-    value (speculation.stream_by_value). The replica's process dies in the open; the ingress opens the session on
-    the replacement from the same KV reference and streams the tokens from there. (Without stream_by_value one
-    streamed call opens and decodes: test_greedy.py serves that way.)"""
+def test_verify_replica_exits_in_the_open(client, expected):
+    """The session opens (Verify.open, by reference: the handoff), then its loop's steps stream (Verify.speculate, by
+    value). The replica's process dies in the open; the ingress opens the session on the replacement from the same
+    KV reference and streams the tokens from there."""
     before = _recoveries().get("verify", 0)
     arm("Verify", "open", "exit")
     chunks = list(client.stream(messages=[("user", LONG[3])], speculate=False))
@@ -105,12 +105,12 @@ def test_verify_replica_exits_opening_a_decode_stream(client, expected):
     assert _recoveries()["verify"] == before + 1
     stats = until("the session closed on the replacement", lambda: handle("Verify").stats.remote().result(timeout_s=60),
                   done=lambda st: st["sessions"] == 0)
-    assert stats["opened"] == 1 and stats["decode_streams"] == 1 and stats["decoding"] == 0, stats
+    assert stats["opened"] == 1 and stats["loops"] == 0, stats
 
 
-def test_client_leaves_while_a_decode_stream_opens(client):
-    """Speculation off: the client cancels while the verify replica opens the session for its decode stream (the
-    open holds). The stream's session is not left on the replica, and no pass waits for it."""
+def test_client_leaves_while_a_session_is_being_opened(client):
+    """Speculation off: the client cancels while the verify replica opens the session (the open holds). The session
+    is not left on the replica, nor its loop, and no pass waits for it."""
     arm("Verify", "open", "hold")
     call = client.stream(messages=[("user", LONG[0])], speculate=False)
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
@@ -121,8 +121,8 @@ def test_client_leaves_while_a_decode_stream_opens(client):
             answer.result(timeout=BOUND_S)
     assert failed.value.code() == grpc.StatusCode.CANCELLED
     handle("Verify").release_fault.remote().result(timeout_s=60)
-    until("no session or stream left on the replica", lambda: handle("Verify").stats.remote().result(timeout_s=60),
-          done=lambda st: st["sessions"] == 0 and st["decoding"] == 0)
+    until("no session or loop left on the replica", lambda: handle("Verify").stats.remote().result(timeout_s=60),
+          done=lambda st: st["sessions"] == 0 and st["loops"] == 0)
     response = client.generate(messages=[("user", LONG[0])], max_new_tokens=8, speculate=False)  # it serves on
     assert len(response.token_ids) == 8
 
@@ -159,16 +159,18 @@ def test_prefill_replica_exits(client, expected):
 
 def test_draft_replica_lost_then_speculation_resumes(client, expected):
     """The draft replica dies at the 3rd proposal: the request goes on with the target alone (same tokens); its 6th
-    verify call holds until a draft replica answers the ingress again; then it drafts again on a fresh session."""
+    verify call holds until a draft replica answers its verify replica again; then it drafts again on a fresh
+    session there."""
     before = _recoveries()
+    answered = handle("Verify").stats.remote().result(timeout_s=60)["draft_replica_answered"]
     arm("Draft", "propose", "exit", after=2)
     arm("Verify", "verify", "hold", after=5)
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         answer = pool.submit(lambda: list(client.stream(messages=[("user", LONG[2])], max_new_tokens=48,
                                                         drafter="eagle", **PINNED)))
         until("a verify call held", lambda: held("Verify"))
-        until("the ingress saw a draft replica again",
-               lambda: _recoveries().get("draft_replica_answered", 0) > before.get("draft_replica_answered", 0))
+        until("the verify replica saw a draft replica again",
+              lambda: handle("Verify").stats.remote().result(timeout_s=60)["draft_replica_answered"] > answered)
         handle("Verify").release_fault.remote().result(timeout_s=60)
         chunks = answer.result(timeout=BOUND_S)
     assert _tokens(chunks) == expected(LONG[2], 48)

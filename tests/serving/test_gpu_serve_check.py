@@ -35,7 +35,7 @@ def test_the_configs_stages_are_on_the_gpu_and_the_mixed_run_drafts_on_the_cpu(t
     assert sum(s["placement"]["num_gpus"] for s in one["stages"].values()) <= 1  # they share one GPU
     mixed = gpu_serve_check.run_config("mixed", pair, "cuda")
     assert mixed["stages"]["draft"]["device"] == "cpu" and mixed["stages"]["draft"]["placement"]["num_gpus"] == 0
-    assert mixed["stages"]["verify"]["device"] == "cuda" and mixed["speculation"]["colocate_drafter"] is False
+    assert mixed["stages"]["verify"]["device"] == "cuda" and mixed["speculation"]["drafting"] == "remote"
     for config in (one, mixed, gpu_serve_check.run_config("mixed", pair, "cpu")):
         AppConfig.model_validate(config)
     with pytest.raises(SystemExit):  # argparse: an unknown run is refused before anything is built or served

@@ -1,4 +1,6 @@
-"""Through gRPC, greedy output equals the target alone, for every drafter kind, k in {1, 3, 5} and speculation off."""
+"""The remote layout (speculation.drafting remote: the draft stage drafts, asked by the verify replica directly, and
+pre-drafts by default) through gRPC: greedy output equals the target alone, for every drafter kind, pinned and
+adaptive k, with and without pre-drafting, and speculation off. (The local layout: test_colocated.py.)"""
 
 import pytest
 
@@ -9,24 +11,22 @@ from tests.serving.conftest import (
 
 pytestmark = pytest.mark.slow
 
-POLICIES = [dict(speculate=False)] + [
-    dict(speculate=True, drafter=drafter, num_draft_tokens=k) for drafter in ("model", "eagle", "prompt_lookup") for k in (0, 1, 3, 5)
-] + [  # k = 0: the server's adaptive k
-    dict(speculate=True, drafter=drafter, num_draft_tokens=k, overlap=True) for drafter, k in (("eagle", 0), ("eagle", 1), ("eagle", 2), ("model", 1))
-]  # overlap: the draft stage pre-drafts while the verifier checks
+POLICIES = [dict(speculate=False)] + [  # (overlap unset: the remote layout's default, pre-drafting)
+    dict(speculate=True, drafter=drafter, num_draft_tokens=k) for drafter, k in (
+        ("model", 1), ("model", 3), ("eagle", 0), ("eagle", 2), ("eagle", 5), ("prompt_lookup", 3))
+] + [  # without pre-drafting: chains, and trees for these greedy requests (k = 0: the server's adaptive k)
+    dict(speculate=True, drafter=drafter, num_draft_tokens=k, overlap=False) for drafter, k in (
+        ("eagle", 0), ("eagle", 3), ("model", 2), ("prompt_lookup", 1))
+]
 
 
 def policy_id(p: dict) -> str:
-    return "off" if not p["speculate"] else f"{p['drafter']}-k{p['num_draft_tokens']}{'-overlap' if p.get('overlap') else ''}"
+    return "off" if not p["speculate"] else f"{p['drafter']}-k{p['num_draft_tokens']}{'' if p.get('overlap', True) else '-no-overlap'}"
 
 
 @pytest.fixture(scope="module")
 def client():
-    # the disaggregated graph: proposals come from the draft stage through the ingress (the default, a drafter in
-    # the verify replica, is tested in test_colocated.py and by every module that serves the default config); a
-    # request without speculation opens its session and decodes in one streamed call, by reference (the default,
-    # stream_by_value, opens first and streams by value: every other module)
-    with serving(make_config(speculation={"colocate_drafter": False, "stream_by_value": False})) as client:
+    with serving(make_config(speculation={"drafting": "remote"})) as client:
         yield client
 
 
@@ -40,12 +40,13 @@ def test_greedy_equals_target_alone(client, reference, policy):
         assert stats.enabled == policy["speculate"]
         assert stats.adaptive == (policy["speculate"] and policy["num_draft_tokens"] == 0)
         assert stats.accepted <= stats.drafted
-        assert stats.overlap == policy.get("overlap", False)
+        assert stats.overlap == (policy["speculate"] and policy.get("overlap", True))
         assert stats.pre_draft_hits <= stats.pre_drafts <= stats.steps
         assert (stats.pre_drafts > 0) == stats.overlap
         hits += stats.pre_draft_hits
         assert response.usage.completion_tokens == len(response.token_ids)
-    assert hits > 0 or not policy.get("overlap"), "no pre-drafted block was used"
+    pre_drafting_models = policy["speculate"] and policy.get("overlap", True) and policy["drafter"] != "prompt_lookup"
+    assert hits > 0 or not pre_drafting_models, "no pre-drafted block was used"
 
 
 @pytest.mark.parametrize("drafter", ["model", "eagle"])
@@ -74,23 +75,23 @@ def test_stop_sequence_and_raw_prompt(client, target_info):
     assert raw.usage.prompt_tokens == len(target_info.tokenizer("The capital of France is")["input_ids"])
 
 
-def test_speculation_off_is_one_decode_stream(client, reference):
-    """Without speculation a request's steps come from one streamed call to its verify replica (Verify.decode), and
-    a stop sequence that cuts the answer ends that stream and closes the session."""
-    from tests.serving.conftest import handle, until
+def test_speculation_off_is_the_loop_without_drafts(client, reference):
+    """Without speculation a request's loop runs in its verify replica as with it, without a draft session; a stop
+    sequence that cuts the answer ends its stream, and the session and its loop close."""
+    from tests.serving.conftest import until
 
     def verify_stats():
         return handle("Verify").stats.remote().result(timeout_s=60)
 
-    before = verify_stats()["decode_streams"]
+    opened = handle("Draft").stats.remote().result(timeout_s=60)["opened"]
     response = client.generate(messages=[("user", PROMPTS[2])], max_new_tokens=MAX_NEW_TOKENS, speculate=False)
     assert list(response.token_ids) == reference(PROMPTS[2])
     assert response.speculation_stats.steps == len(response.token_ids) - 1  # a step per token after prefill's
-    assert verify_stats()["decode_streams"] == before + 1
     cut = list(client.stream(messages=[("user", "Count from 1 to 10.")], max_new_tokens=40, stop=["4"], speculate=False))
     assert cut[-1].finish_reason == pb.FINISH_REASON_STOP_SEQUENCE
     stats = until("the cut request's session closed", verify_stats, done=lambda st: st["sessions"] == 0)
-    assert stats["decoding"] == 0 and stats["decode_streams"] == before + 2, stats
+    assert stats["loops"] == 0 and stats["drafting"] == "remote", stats
+    assert handle("Draft").stats.remote().result(timeout_s=60)["opened"] == opened  # no draft session
 
 
 @pytest.mark.parametrize("drafter,overlap", [("model", False), ("eagle", False), ("eagle", True)])
@@ -145,7 +146,7 @@ def test_sampled_tokens_follow_the_target_through_the_graph(client, default_pair
     """Seeded draws through gRPC with EAGLE drafts (k = 2): given the first token, the second follows the target's p.
 
     The second token is the first verify step's: an accepted draft or a recovered token, so the draft ids and their
-    q crossed the graph (draft replica -> ingress -> verify replica) and were used by the exact sampler there.
+    q crossed the graph (draft replica -> verify replica) and were used by the exact sampler there.
     """
     assert_second_token_follows_the_target(client, default_pair, target_info, SAMPLED_DRAWS)
 
@@ -195,8 +196,8 @@ def test_prompts_that_share_the_chat_template_reuse_its_kv(client, reference):
 
 def test_a_repeated_prompt_is_prefilled_by_the_verify_replica(client, reference):
     """limits.local_prefill_tokens (default 2) through this graph: the same prompt again leaves its last position to
-    the verify replica — opened and decoded in one call by reference (Verify.decode's opening), and in the ingress's
-    loop over the draft stage, whose first verify call takes no drafts — and the answers stay the target's."""
+    the verify replica, whose loop's first step computes it (a request without a feature drafter; the drafter
+    starts meanwhile) — and the answers stay the target's."""
     prompt = "Name three primary colors."
     before = local_prefills()
     for policy in (dict(speculate=False), dict(speculate=False), dict(speculate=True, drafter="model", num_draft_tokens=2)):

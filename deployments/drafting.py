@@ -1,0 +1,124 @@
+"""Where a verify replica's loop gets its drafts: its own drafter, or the draft stage (``speculation.drafting``).
+
+Both drive one request's draft session of a drafter kind (services.drafters)
+and take the loop's ``Propose``:
+
+- ``LocalDrafting``: the verify replica's own DraftEngine, on the target's
+  device and engine thread; a step's proposal is drafted in the batched pass
+  right before its verification (one engine call a step: services.chained).
+- ``RemoteDrafting``: a session on a draft-stage replica, asked directly,
+  replica to replica; the loop may pre-draft the next block there while this
+  one is verified (services.loop, ``overlap``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import time
+from typing import Protocol
+
+from ray.serve.handle import DeploymentHandle
+
+from deployments.routing import pin
+from services.chained import ChainedCall
+from services.draft import DraftProposal, ProposeCall
+from services.loop import Propose
+from services.sampling import SamplingParams
+
+LOCAL, REMOTE = "local", "remote"
+
+
+class Drafting(Protocol):
+    where: str  # LOCAL or REMOTE
+
+    async def start(self, prompt_ids: list[int], params: SamplingParams, drafter: str, handoff) -> None:
+        """Open the request's draft session over ``prompt_ids`` (``handoff``: the prefill's, with the prompt's
+        features for a kind that reads them)."""
+
+    def close(self) -> None:
+        """Close the session without waiting (also from a cancelled task)."""
+
+
+class LocalDrafting:
+    """A session of the verify replica's own DraftEngine (``replica.drafts``), on its engine thread; its proposals
+    go through the replica's batched passes, each right before its verification (``propose_and_verify``)."""
+
+    where = LOCAL
+
+    def __init__(self, replica, session_id: str):
+        self.replica, self.session_id = replica, session_id
+        self.open = False
+
+    async def start(self, prompt_ids: list[int], params: SamplingParams, drafter: str, handoff) -> None:
+        features = await handoff.feature_refs[0] if handoff.feature_refs else None
+        await self.replica._run(self.replica.drafts.start, self.session_id, prompt_ids, params, drafter, features)
+        self.open = True
+
+    async def propose_and_verify(self, p: Propose):
+        """The proposal and the verification of its drafts in one call of the batched passes (ChainedResult)."""
+        call = ProposeCall(self.session_id, p.k, list(p.forced), p.guesses, list(p.accepts), p.width)
+        return await self.replica.batcher.submit(ChainedCall(call))
+
+    def close(self) -> None:
+        if self.open:  # (on the engine thread: after a start still running there)
+            self.replica._executor.submit(self.replica.drafts.close, self.session_id)
+            self.open = False
+
+
+class RemoteDrafting:
+    """A draft session on a draft-stage replica, pinned there once it is open."""
+
+    where = REMOTE
+
+    def __init__(self, draft: DeploymentHandle, session_id: str, timeout_s: float):
+        self.draft, self.session_id, self.timeout_s = draft, session_id, timeout_s
+        self.session: DeploymentHandle | None = None  # pinned to the replica that holds the session
+
+    async def start(self, prompt_ids: list[int], params: SamplingParams, drafter: str, handoff) -> None:
+        self.close()  # (a restart after a lost replica: the old session, if its replica is alive after all)
+        response = self.draft.start.remote(self.session_id, prompt_ids, params, drafter, handoff)
+        try:
+            opened = await self._call(response)
+        except asyncio.CancelledError:  # the request ended meanwhile: close the session wherever it opens
+            asyncio.get_running_loop().create_task(self._close_when_opened(response), context=contextvars.Context())
+            raise
+        self.session = self.draft.options(session_id=pin(opened.replica_id))
+
+    async def _close_when_opened(self, response) -> None:
+        try:
+            opened = await asyncio.wait_for(_awaited(response), timeout=self.timeout_s)
+        except (Exception, asyncio.CancelledError):  # noqa: BLE001 - it never opened (or its replica closed it)
+            return
+        self.draft.options(session_id=pin(opened.replica_id)).close.remote(self.session_id)
+
+    async def propose(self, p: Propose) -> DraftProposal:
+        return await self._call(self.session.propose.remote(self.session_id, p.k, p.accepts, p.forced, p.guesses, p.width))
+
+    async def answers(self) -> bool:
+        """Whether a draft replica answers a call, asking until ``timeout_s`` (a lost replica's replacement)."""
+        delay, give_up = 0.1, time.monotonic() + self.timeout_s
+        while time.monotonic() < give_up:
+            try:
+                await self._call(self.draft.ping.remote())
+                return True
+            except Exception:  # noqa: BLE001 - the lost replica, or none yet: ask again
+                await asyncio.sleep(delay)
+                delay = min(2 * delay, 2.0)
+        return False
+
+    def close(self) -> None:
+        if self.session is not None:
+            contextvars.Context().run(self.session.close.remote, self.session_id)  # (outside any request: not cancelled)
+            self.session = None
+
+    async def _call(self, response):
+        try:
+            return await asyncio.wait_for(_awaited(response), timeout=self.timeout_s)
+        except asyncio.TimeoutError:
+            response.cancel()
+            raise
+
+
+async def _awaited(response):
+    return await response

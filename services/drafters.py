@@ -1,0 +1,95 @@
+"""Drafter kinds: one protocol, one registry by name.
+
+A drafter kind proposes draft tokens for one sequence at a time, as a
+``DraftSession``; ``DraftEngine`` (services.draft) holds the sessions of many
+requests and drafts them in lockstep. Where the engine runs (beside the
+target, or in the draft stage) is the serving graph's business, not the
+kind's.
+
+A new kind is one module that defines its session and one ``register`` line:
+
+    class RepeatSession:  # propose the last token again
+        ...
+    register(DrafterKind("repeat", start=lambda engine, ids, params, features: RepeatSession(list(ids))))
+
+The config's ``models.drafter_modules`` names such modules; every replica
+imports them (``load_modules``), so config, the API's validation, the CLI and
+the benchmarks see the kind by its name.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Generator, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from services.errors import InvalidRequestError
+
+MODEL_DRAFTER = "model"  # a small model with the target's tokenizer
+EAGLE_DRAFTER = "eagle"  # a one-layer head over the target's features (services.eagle_draft)
+PROMPT_LOOKUP_DRAFTER = "prompt_lookup"  # n-gram matches in the prompt and the text so far
+DRAFT_STREAM = 1  # random stream of draft samples (see sampling.make_generator)
+BUILTIN_MODULES = ("services.draft", "services.eagle_draft")  # they register the three kinds above
+
+
+class DraftSession(Protocol):
+    """One sequence's drafter. The steps are generators: each may yield a batched request (``eagle.Rows``,
+    ``draft.Forward``) that the engine answers for all sessions in one pass, and returns the ``DraftProposal``."""
+
+    @property
+    def nbytes(self) -> int: ...  # bytes it holds (the engine's limits count them)
+
+    def propose_steps(self, k: int, forced: Sequence[int] = (), width: int = 1) -> Generator[Any, Any, Any]:
+        """k tokens after the context and ``forced`` (tokens taken as drafted); ``width`` > 1: a draft tree."""
+
+    def pre_draft_steps(self, k: int, forced: Sequence[int], guesses: int) -> Generator[Any, Any, Any]:
+        """A block of k after each of the ``guesses`` likeliest verdicts on ``forced`` (pre-drafting)."""
+
+    def accept(self, n_matches: int, next_token: int, features: torch.Tensor | None = None) -> None:
+        """The verdict: keep ``n_matches`` proposed tokens, then ``next_token``; ``features`` [n_matches + 1, hidden]
+        are the target's, for a kind that reads them."""
+
+
+@dataclass(frozen=True)
+class DrafterKind:
+    name: str
+    # (engine, prompt ids, sampling parameters, prompt features [len(prompt), hidden] or None) -> the session
+    start: Callable[[Any, Sequence[int], Any, torch.Tensor | None], DraftSession]
+    needs: str = ""  # what the drafter folder must hold: "model" (a draft model), "head" (an EAGLE head), "" nothing
+    reads_features: bool = False  # sessions take the target's features: prefill and verdicts carry them
+    pre_draft_guesses: int = 1  # likely verdicts a pre-draft drafts a block after (what it affords in one verify pass)
+
+
+_KINDS: dict[str, DrafterKind] = {}
+
+
+def register(kind: DrafterKind) -> DrafterKind:
+    if kind.name in _KINDS and _KINDS[kind.name] != kind:
+        raise ValueError(f"a drafter kind named {kind.name!r} is registered already")
+    _KINDS[kind.name] = kind
+    return kind
+
+
+def load_modules(modules: Sequence[str] = ()) -> None:
+    """Import the built-in kinds and ``modules`` (models.drafter_modules), which register theirs."""
+    for module in (*BUILTIN_MODULES, *modules):
+        importlib.import_module(module)
+
+
+def kinds() -> dict[str, DrafterKind]:
+    load_modules()
+    return dict(_KINDS)
+
+
+def get(name: str) -> DrafterKind:
+    found = kinds().get(name)
+    if found is None:
+        raise InvalidRequestError(f"unknown drafter {name!r}; known kinds: {sorted(_KINDS)}")
+    return found
+
+
+def reads_features(name: str) -> bool:
+    return bool(name) and get(name).reads_features
