@@ -138,8 +138,9 @@ class SpeculationDefaults(_Strict):
         "paid on earlier ones; every this many of them speculate anyway, to keep the estimates fresh (1 = always speculate)",
     )
     off_above_concurrency: int = Field(
-        2, ge=0, description="adaptive k drafts nothing while an ingress replica serves more requests than this "
-        "(the verifier batches their tokens instead); 0 = no limit. A request that pins k keeps it",
+        2, ge=0, description="adaptive k drafts nothing while a verify replica holds more sessions than this "
+        "(the verifier batches their tokens instead), and an adaptive request that starts then opens no draft "
+        "session; 0 = no limit. A request that pins k keeps it",
     )
 
 

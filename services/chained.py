@@ -1,7 +1,7 @@
 """A drafter next to its target: proposals and the verification of their drafts in one engine call.
 
-Where the drafter runs on the verifier's own device and thread (a verify replica with
-``speculation.colocate_drafter``, as vLLM runs an EAGLE head beside its target), a
+Where the drafter runs on the verifier's own device and thread (a verify replica that
+drafts locally, speculation.drafting; as vLLM runs an EAGLE head beside its target), a
 speculative step need not be two engine calls — propose, hand the drafts back, verify.
 ``run_chained`` takes a pass's calls, plain verify calls and ``ChainedCall``s alike:
 it drafts for every chained one in one batched draft pass, then verifies every call

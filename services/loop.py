@@ -3,10 +3,9 @@
 ``SpeculativeLoop`` is sans-I/O: it decides what each step asks of the draft
 and verify stages and reads their answers, but calls nothing itself. A driver
 moves the data: ``speculative_decode`` here runs the engines in-process
-(benchmarks, ``generate --local``, tests); the Ray ingress runs the same loop
-over the stage handles (deployments/ingress.py), and the verify replica runs
-it next to the target (deployments/stages.py: ``Verify.speculate``); both
-execute a round's calls with ``execute_async``.
+(benchmarks, ``generate --local``, tests); served, a request's verify replica
+runs it next to the target (deployments/stages.py: ``Verify``), executing a
+round's calls with ``execute_async``.
 
     loop = SpeculativeLoop(first_token, ...)
     results = None

@@ -52,23 +52,63 @@ def _merge(into: dict, new: dict) -> None:
             into[k] = v
 
 
+_shared: dict = {"cluster": None}  # the one-node cluster that modules serving one after the other share
+
+
+def shared_cluster():
+    """The session's one-node local cluster (no dashboard), started on first use: a module that serves on it
+    starts Serve and its app, and stops only Serve when it ends (Ray's start and stop are seconds a module)."""
+    from splitspec import cluster
+
+    if _shared["cluster"] is None:
+        _shared["cluster"] = cluster.LocalCluster(nodes=1, dashboard=False, log_to_driver=False).start()
+    return _shared["cluster"]
+
+
+def stop_shared_cluster() -> None:
+    """Before a cluster of another kind starts (in this process or another): one cluster on the machine at a time."""
+    local, _shared["cluster"] = _shared["cluster"], None
+    if local is not None:
+        local.stop()
+
+
 @contextlib.contextmanager
 def serving(config: AppConfig, *, nodes: int = 1, dashboard: bool = False, direct_ingress: bool | None = None):
-    """Start a local cluster of ``nodes`` nodes, deploy ``config`` pinned for it, yield a gRPC client (its
-    ``http_base_url`` is the OpenAI-compatible API's, http://127.0.0.1:<port>/v1). ``direct_ingress``: the ingress
-    replica serves the ports, as `splitspec serve` runs it (default: where it does, one ingress replica); False:
-    through Serve's proxy (a test that deploys more applications beside it)."""
+    """Deploy ``config`` pinned for a local cluster of ``nodes`` nodes, yield a gRPC client (its ``http_base_url`` is
+    the OpenAI-compatible API's, http://127.0.0.1:<port>/v1). One node without a dashboard: on the shared cluster
+    (``shared_cluster``), Serve stopped at the end; else a cluster of its own. ``direct_ingress``: the ingress replica
+    serves the ports, as `splitspec serve` runs it (default: where it does, one ingress replica); False: through
+    Serve's proxy (a test that deploys more applications beside it)."""
+    from ray import serve as ray_serve
+
     from splitspec import cluster
 
     port, http_port = free_port(), free_port()
-    local = cluster.LocalCluster(nodes=nodes, dashboard=dashboard, log_to_driver=False).start()
+    own = nodes != 1 or dashboard
+    if own:
+        stop_shared_cluster()
+        local = cluster.LocalCluster(nodes=nodes, dashboard=dashboard, log_to_driver=False).start()
+    else:
+        shared_cluster()
     try:
         cluster.serve_local(config, nodes, port, http_port, direct_ingress=direct_ingress)
         with SpecDecodeClient(f"127.0.0.1:{port}", timeout_s=300) as client:
             client.http_base_url = f"http://127.0.0.1:{http_port}/v1"
             yield client
     finally:
-        local.stop()
+        if own:
+            local.stop()
+        else:
+            try:
+                ray_serve.shutdown()
+            except Exception:  # noqa: BLE001 - a Serve that will not stop: stop the whole cluster
+                stop_shared_cluster()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _stop_the_shared_cluster_at_the_end():
+    yield
+    stop_shared_cluster()
 
 
 # -- stage replicas through their handles (deployments.faults needs faults.enabled in the config) --------------

@@ -57,6 +57,9 @@ class ServeProcess:
         self.proc: subprocess.Popen | None = None
 
     def __enter__(self) -> "ServeProcess":
+        from tests.serving.conftest import stop_shared_cluster
+
+        stop_shared_cluster()  # (its cluster, and no other, on the machine)
         with open(self.log_path, "w") as log:
             self.proc = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True)
         return self

@@ -58,9 +58,10 @@ def test_a_cuda_stage_where_torch_sees_no_gpu_fails_the_deploy_naming_stage_and_
     """Ray is told the node has a GPU (it places the replica), torch in the replica sees none: the deploy fails with
     the replica's error, which names the stage and the node, instead of serving on the CPU or hanging."""
     from splitspec import cluster
-    from tests.serving.conftest import make_config
+    from tests.serving.conftest import make_config, stop_shared_cluster
 
     config = make_config(stages={"verify": {"device": "cuda", "placement": {"num_gpus": 0.3}}})
+    stop_shared_cluster()
     local = cluster.LocalCluster(gpus=1, dashboard=False, log_to_driver=False).start()
     try:
         with pytest.raises(cluster.DeployError, match="failed to deploy") as failed:

@@ -10,7 +10,7 @@ import pytest
 from splitspec.client import SpecDecodeClient
 from splitspec.stopping import FORCED_EXIT_CODE
 from splitspec.cli import STARTING
-from tests.serving.conftest import free_port, until
+from tests.serving.conftest import free_port, stop_shared_cluster, until
 from tests.serving.processes import REPLICA_PROCESS_PREFIX, SERVING, ServeProcess, listening_on
 
 pytestmark = pytest.mark.slow
@@ -114,6 +114,7 @@ def test_address_mode_leaves_the_cluster_running(tmp_path):
 
     from splitspec import cluster
 
+    stop_shared_cluster()
     local = cluster.LocalCluster(nodes=1, dashboard=False, log_to_driver=False).start()
     try:
         address = ray.get_runtime_context().gcs_address
