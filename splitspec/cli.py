@@ -406,26 +406,15 @@ def _bench_layouts(args) -> int:
 
 def cmd_bench_load(args) -> int:
     from splitspec import bench_grpc, bench_load
-    from splitspec.client import SpecDecodeClient
 
     prompts = bench_grpc.prompts_of(args.prompt_set)[: args.prompts]
     levels = [int(c) for c in args.concurrency.split(",")]
     policies = [p.strip() for p in args.policies.split(",")]
     print(f"load: {len(prompts)} {args.prompt_set} prompts x {args.max_new_tokens} tokens, greedy, "
           f"concurrency {levels}" + (f", open loop at {args.rate} req/s" if args.rate else ""))
-    report = {"api": {}}
-    with _service(args) as (address, _):
-        with SpecDecodeClient(address, timeout_s=args.request_timeout) as client:
-            client.wait_ready()
-            for api in args.api.split(","):  # one after the other, on the same service
-                print(f"through {api}:")
-                token = os.environ.get(auth.TOKEN_ENV, "").strip()
-                base_url = f"http://{address.rsplit(':', 1)[0]}:{args.http_port}/v1"
-                target = client if api == "grpc" else bench_load.OpenAIEndpoint(base_url, args.request_timeout, token)
-                report["api"][api] = bench_load.run(
-                    target, prompts, policies=policies, concurrency=levels, requests_per_level=args.requests_per_level,
-                    rate=args.rate, open_requests=args.open_requests, max_new_tokens=args.max_new_tokens,
-                    slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms)
+    if args.layouts:
+        return _load_layouts(args, prompts, levels, policies)
+    report = _load_run(args, prompts, levels, policies)
     if len(report["api"]) == 1:  # the report as before
         report = next(iter(report["api"].values())) | {"api_used": next(iter(report["api"]))}
         _print_load(report, levels, args)
@@ -435,6 +424,52 @@ def cmd_bench_load(args) -> int:
         _print_load(one, levels, args)
     report["greedy_identical"] = all(r["greedy_identical"] for r in report["api"].values())
     return _write_report(args, report)
+
+
+def _load_layouts(args, prompts, levels, policies) -> int:
+    """``bench load --layouts``: each layout on a local cluster of its own (splitspec.bench_layouts), gRPC."""
+    from splitspec import bench_layouts
+
+    if args.address:
+        raise SystemExit("--layouts starts its own local clusters: drop --address")
+    base, reports = _load_config(args.config), {}
+    for layout in args.layouts.split(","):
+        print(f"\n== layout {layout} ==")
+        reports[layout] = _load_run(args, prompts, levels, policies, bench_layouts.layout_config(base, layout),
+                                    apis=["grpc"])["api"]["grpc"]
+        _print_load(reports[layout], levels, args)
+    vs = {layout: {name: {c: round(r["output_throughput_tok_s"] / reports["colocated"]["closed_loop"][name][c]
+                                   ["output_throughput_tok_s"], 3) for c, r in rows.items()}
+                   for name, rows in report["closed_loop"].items()}
+          for layout, report in reports.items()} if "colocated" in reports else {}
+    print("\nlayouts side by side (output tok/s against the same policy and concurrency colocated):")
+    for layout, per_policy in vs.items():
+        for name, per_c in per_policy.items():
+            print(f"  {layout:<14} {name:<15} " + ", ".join(f"c={c} {x:.2f}x" for c, x in per_c.items()))
+    report = {"layouts": reports, "vs_colocated": vs,
+              "greedy_identical": all(r["greedy_identical"] for r in reports.values())}
+    return _write_report(args, report)
+
+
+def _load_run(args, prompts, levels, policies, config=None, apis=None) -> dict:
+    """``bench_load.run`` through each API of ``apis`` (default ``--api``) on one service (``_service``)."""
+    from splitspec import bench_load
+    from splitspec.client import SpecDecodeClient
+
+    report = {"api": {}}
+    with _service(args, config) as (address, _):
+        with SpecDecodeClient(address, timeout_s=args.request_timeout) as client:
+            client.wait_ready()
+            for api in apis or args.api.split(","):  # one after the other, on the same service
+                print(f"through {api}:")
+                token = os.environ.get(auth.TOKEN_ENV, "").strip()
+                base_url = f"http://{address.rsplit(':', 1)[0]}:{args.http_port}/v1"
+                target = client if api == "grpc" else bench_load.OpenAIEndpoint(base_url, args.request_timeout, token)
+                report["api"][api] = bench_load.run(
+                    target, prompts, policies=policies, concurrency=levels, requests_per_level=args.requests_per_level,
+                    rate=args.rate, open_requests=args.open_requests, max_new_tokens=args.max_new_tokens,
+                    slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms)
+    return report
 
 
 def _print_load(report: dict, levels: list[int], args) -> None:
@@ -618,6 +653,8 @@ def build_parser() -> argparse.ArgumentParser:
     load = bench.add_parser("load", help="throughput and latency percentiles under concurrent streams (closed and open loop)")
     _service_args(load, prompts=16)
     load.add_argument("--concurrency", default="1,2,4,8,16,32", help="closed-loop levels, comma separated")
+    load.add_argument("--layouts", help="comma-separated serving layouts (colocated, disaggregated), each on a local "
+                      "cluster of its own, side by side through gRPC (splitspec.bench_layouts)")
     load.add_argument("--requests-per-level", type=int, default=0, help="default: max(prompts, 2 x concurrency)")
     load.add_argument("--rate", type=float, default=0.0, help="also an open loop at this Poisson rate (requests/s)")
     load.add_argument("--open-requests", type=int, default=32, help="requests of the open loop")
