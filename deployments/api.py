@@ -7,7 +7,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from deployments.config import AppConfig
-from services.drafters import MODEL_DRAFTER
+from services.drafters import MODEL_DRAFTER, kinds
 from services.errors import InvalidRequestError
 from services.loop import FINISH_LENGTH, FINISH_STOP, SpeculationStats
 from services.sampling import SamplingParams
@@ -69,7 +69,7 @@ class Timer:
         return pb.Timings(ttft_ms=self.ttft_ms, total_ms=self.ms(), prefill_ms=self.prefill_ms, kv_handoff_ms=self.kv_handoff_ms)
 
 
-def parse(request, config: AppConfig, tokenizer, *, max_context: int, vocab_size: int, drafters=(MODEL_DRAFTER,),
+def parse(request, config: AppConfig, tokenizer, *, max_context: int, vocab_size: int, drafters=None,
           default_drafter: str = MODEL_DRAFTER) -> Plan:
     """Validate a GenerateRequest / GenerateStreamRequest; raise InvalidRequestError with an actionable message."""
     request_id = request.request_id or uuid.uuid4().hex
@@ -105,6 +105,7 @@ def parse(request, config: AppConfig, tokenizer, *, max_context: int, vocab_size
         speculate = defaults.seeded_draft_tokens > 0
     validate_num_draft_tokens(int(k))
     drafter = policy.drafter or default_drafter
+    drafters = tuple(kinds()) if drafters is None else drafters  # (default: every registered kind)
     if drafter not in drafters:
         raise InvalidRequestError(f"unknown drafter {drafter!r}; this server offers {list(drafters)}")
     return Plan(

@@ -485,6 +485,7 @@ class Verify(_Stage):
         finally:
             running.task.cancel()
             self.batcher.forget(request_id)
+            self._prompt_rows.pop(request_id, None)
             self._executor.submit(self.engine.close, request_id)  # (on the engine thread: after a pass running there)
 
     def _policy(self, spec: Speculation, params: SamplingParams) -> tuple[RequestPolicy, str]:
@@ -561,16 +562,12 @@ class Verify(_Stage):
             return results
 
         self.running += 1
+        starting = None  # the drafter's session start, beside the first step
         try:
             if policy.drafter:
                 drafting = (RemoteDrafting(self.draft, request_id, self.config.limits.stage_timeout_s) if self.remote
                             else LocalDrafting(self, request_id))
-                try:
-                    await drafting.start(spec.prompt_ids, params, policy.drafter, handoff)
-                except Exception as exc:  # noqa: BLE001 - a drafter that cannot start: the target alone
-                    draft_failed(exc, "start")
-                    drafting.close()
-                    drafting = None
+                starting = asyncio.ensure_future(drafting.start(spec.prompt_ids, params, policy.drafter, handoff))
             first_token = handoff.first_token
             if first_token is None:  # the prompt's last positions: the session's first step computes them
                 await self.faults.point("verify")
@@ -582,6 +579,19 @@ class Verify(_Stage):
                                    policy=adaptive, overlap=policy.overlap, guesses=policy.guesses,
                                    tree_width=policy.tree_width, chained=isinstance(drafting, LocalDrafting),
                                    costs=self.costs[policy.drafter] if drafting is not None else None)
+            first = loop.advance()  # the first token goes out while the drafter starts
+            outputs.put_nowait(first)
+            emitted += first.token_ids
+            if starting is not None:
+                try:
+                    await starting
+                except Exception as exc:  # noqa: BLE001 - a drafter that cannot start: the target alone
+                    draft_failed(exc, "start")
+                    drafting.close()
+                    drafting, loop.drafting = None, False
+                    if back is not None:  # (no session to resume)
+                        back.cancel()
+                        back = None
             results = None
             while (item := loop.advance(results)) is not None:
                 if isinstance(item, StepOutput):
@@ -602,6 +612,8 @@ class Verify(_Stage):
             outputs.put_nowait(exc)
         finally:
             self.running -= 1
+            if starting is not None and not starting.done():
+                starting.cancel()
             self.timelines.append({"session": request_id, "drafting": drafting.where if drafting else "",
                                    "drafter": policy.drafter, "overlap": policy.overlap, "rounds": rounds})
             self.batcher.forget(request_id)  # no further call comes: the next pass must not wait for one

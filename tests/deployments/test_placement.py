@@ -29,6 +29,9 @@ def test_missing_resource_and_selector_syntax():
     data["stages"]["prefill"]["placement"] = {"label_selector": {"zone": "in(a,b)"}}
     data["stages"]["verify"]["placement"] = {"label_selector": {"zone": "!a"}}
     problems = unplaceable(AppConfig.model_validate(data), [_node({"zone": "a"})])  # the ingress goes anywhere
+    assert set(problems) == {"verify"}  # (drafting local: the draft stage is not deployed, nothing to place)
+    data["speculation"]["drafting"] = "remote"
+    problems = unplaceable(AppConfig.model_validate(data), [_node({"zone": "a"})])
     assert set(problems) == {"draft", "verify"} and "tpu_like" in problems["draft"]
 
 
