@@ -81,7 +81,7 @@ class RemoteDrafting:
         try:
             opened = await self._call(response)
         except asyncio.CancelledError:  # the request ended meanwhile: close the session wherever it opens
-            asyncio.get_running_loop().create_task(self._close_when_opened(response), context=contextvars.Context())
+            _background(lambda: self._close_when_opened(response), self.timeout_s)
             raise
         self.session = self.draft.options(session_id=pin(opened.replica_id))
 
@@ -90,7 +90,7 @@ class RemoteDrafting:
             opened = await asyncio.wait_for(_awaited(response), timeout=self.timeout_s)
         except (Exception, asyncio.CancelledError):  # noqa: BLE001 - it never opened (or its replica closed it)
             return
-        self.draft.options(session_id=pin(opened.replica_id)).close.remote(self.session_id)
+        await _awaited(self.draft.options(session_id=pin(opened.replica_id)).close.remote(self.session_id))
 
     async def propose(self, p: Propose) -> DraftProposal:
         return await self._call(self.session.propose.remote(self.session_id, p.k, p.accepts, p.forced, p.guesses, p.width))
@@ -109,7 +109,7 @@ class RemoteDrafting:
 
     def close(self) -> None:
         if self.session is not None:
-            contextvars.Context().run(self.session.close.remote, self.session_id)  # (outside any request: not cancelled)
+            _background(lambda: self.session.close.remote(self.session_id), self.timeout_s)
             self.session = None
 
     async def _call(self, response):
@@ -122,3 +122,20 @@ class RemoteDrafting:
 
 async def _awaited(response):
     return await response
+
+
+_running: set[asyncio.Task] = set()  # calls that outlive their loop (asyncio holds tasks only weakly)
+
+
+def _background(make_call, timeout_s: float) -> None:
+    """Run ``make_call()`` (a stage call or a coroutine) to its end in a task of its own, outside any request (a
+    cancelled loop's session close must still go out); errors are dropped: the session may be gone already."""
+    async def run():
+        try:
+            await asyncio.wait_for(_awaited(make_call()), timeout=timeout_s)
+        except Exception:  # noqa: BLE001 - a replica gone or a session closed already: nothing to close
+            pass
+
+    task = asyncio.get_running_loop().create_task(run(), context=contextvars.Context())
+    _running.add(task)
+    task.add_done_callback(_running.discard)

@@ -43,7 +43,7 @@ from services.errors import SessionNotFoundError
 from services.loading import DTYPES, LoadedModel, check_device, config_of, load_causal_lm, load_head_parts, set_num_threads
 from services.chained import ChainedCall, run_chained
 from services.loop import Results, SpeculativeLoop, StepOutput, execute_async
-from services.policy import AcceptanceCounts, AdaptiveK, CostModel, RequestGate, RequestPolicy, adaptive_k, decide, describe
+from services.policy import DECLINED_LOAD, AcceptanceCounts, AdaptiveK, CostModel, RequestGate, RequestPolicy, adaptive_k, decide, describe
 from services.prefill import PrefillCall, PrefillEngine, PrefillProgress
 from services.runner import warm_up
 from services.sampling import SamplingParams, reseeded
@@ -494,8 +494,12 @@ class Verify(_Stage):
                         tree_width=self.config.speculation.tree_width, remote=self.remote,
                         overlap=self.config.speculation.overlap if spec.overlap is None else spec.overlap)
         declined = ""
-        if policy.adaptive and not policy.overlap:  # where speculation does not pay: no drafter at all
-            declined = self.gates[policy.drafter].decline(self._adaptive_k(policy))
+        if policy.adaptive:  # where speculation does not pay: no drafter at all
+            adaptive = self._adaptive_k(policy)
+            if not policy.overlap:
+                declined = self.gates[policy.drafter].decline(adaptive)
+            elif adaptive.overloaded:  # (a pre-draft costs the verifier nothing but its drafts' rows)
+                declined = DECLINED_LOAD
         return (decide("", 0, adaptive=False, greedy=params.greedy) if declined else policy), declined
 
     def _adaptive_k(self, policy: RequestPolicy) -> AdaptiveK | None:

@@ -259,13 +259,14 @@ def test_replicas_run_their_methods_on_their_own_event_loop(client):
 
 def test_a_specbench_sample_through_the_graph(client):
     """Spec-Bench first turns, one of each category (`splitspec bench grpc --prompt-set specbench --check` runs all
-    480): the server default answers every one, greedy, as speculation off does. Its summaries and RAG contexts
+    480): EAGLE trees of k = 3 answer every one, greedy, as speculation off does. Its summaries and RAG contexts
     grow their KV buffers inside verify passes, where a side-node path's compaction once failed (issue 36)."""
     from splitspec import bench_grpc
 
-    report = bench_grpc.run(client, prompt_set="specbench", num_prompts=6, max_new_tokens=32, warmup=0, check=True)
+    report = bench_grpc.run(client, prompt_set="specbench", num_prompts=6, max_new_tokens=32, warmup=0, check=True,
+                            policies=["eagle k=3"])  # (drafting every step: the server default may decline here)
     assert report["errors"] == [] and report["mismatches"] == [], report
-    assert report["policies"]["server default"]["drafted"] > 0
+    assert report["policies"]["eagle k=3"]["drafted"] > 0
     assert set(report["categories"]) == {"mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag"}
 
 
