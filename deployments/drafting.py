@@ -78,16 +78,18 @@ class RemoteDrafting:
     async def start(self, prompt_ids: list[int], params: SamplingParams, drafter: str, handoff) -> None:
         self.close()  # (a restart after a lost replica: the old session, if its replica is alive after all)
         response = self.draft.start.remote(self.session_id, prompt_ids, params, drafter, handoff)
+        call = asyncio.ensure_future(_awaited(response))  # (shielded below: a cancelled wait leaves it running)
         try:
-            opened = await self._call(response)
-        except asyncio.CancelledError:  # the request ended meanwhile: close the session wherever it opens
-            _background(lambda: self._close_when_opened(response), self.timeout_s)
+            opened = await asyncio.wait_for(asyncio.shield(call), timeout=self.timeout_s)
+        except (asyncio.CancelledError, asyncio.TimeoutError):
+            # the loop ended, or the replica is slow: the session may still open there; close it once it has
+            _background(lambda: self._close_when_opened(call), self.timeout_s)
             raise
         self.session = self.draft.options(session_id=pin(opened.replica_id))
 
-    async def _close_when_opened(self, response) -> None:
+    async def _close_when_opened(self, call: asyncio.Future) -> None:
         try:
-            opened = await asyncio.wait_for(_awaited(response), timeout=self.timeout_s)
+            opened = await call
         except (Exception, asyncio.CancelledError):  # noqa: BLE001 - it never opened (or its replica closed it)
             return
         await _awaited(self.draft.options(session_id=pin(opened.replica_id)).close.remote(self.session_id))
@@ -108,9 +110,9 @@ class RemoteDrafting:
         return False
 
     def close(self) -> None:
-        if self.session is not None:
-            _background(lambda: self.session.close.remote(self.session_id), self.timeout_s)
-            self.session = None
+        session, self.session = self.session, None
+        if session is not None:
+            _background(lambda: session.close.remote(self.session_id), self.timeout_s)
 
     async def _call(self, response):
         try:

@@ -495,16 +495,18 @@ class Verify(_Stage):
                         overlap=self.config.speculation.overlap if spec.overlap is None else spec.overlap)
         declined = ""
         if policy.adaptive:  # where speculation does not pay: no drafter at all
-            adaptive = self._adaptive_k(policy)
+            adaptive = self._adaptive_k(policy, opening=1)
             if not policy.overlap:
                 declined = self.gates[policy.drafter].decline(adaptive)
             elif adaptive.overloaded:  # (a pre-draft costs the verifier nothing but its drafts' rows)
                 declined = DECLINED_LOAD
         return (decide("", 0, adaptive=False, greedy=params.greedy) if declined else policy), declined
 
-    def _adaptive_k(self, policy: RequestPolicy) -> AdaptiveK | None:
+    def _adaptive_k(self, policy: RequestPolicy, opening: int = 0) -> AdaptiveK | None:
+        """The request's AdaptiveK; its load is this replica's sessions (``opening``: and the one being opened)."""
         return adaptive_k(policy, self.costs[policy.drafter], self.acceptance[policy.drafter],
-                          load=lambda: len(self.engine.sessions), max_load=self.config.speculation.off_above_concurrency)
+                          load=lambda: len(self.engine.sessions) + opening,
+                          max_load=self.config.speculation.off_above_concurrency)
 
     async def _loop(self, request_id: str, handoff: KVHandoff, params: SamplingParams, spec: Speculation,
                     policy: RequestPolicy, outputs: asyncio.Queue) -> None:
