@@ -17,7 +17,8 @@ from ray.serve.config import BackpressureConfig, RequestRouterConfig
 from deployments.config import AppConfig, Placement
 from deployments.ingress import SpecDecodeIngress
 from deployments.routing import ROUTER_CLASS
-from deployments.stages import Draft, Prefill, Verify
+from deployments.stages import Draft, Prefill
+from deployments.verify import Verify
 
 GRPC_SERVICER = "splitspec.v1.splitspec_pb2_grpc.add_SpecDecodeServicer_to_server"
 # the standard grpc.health.v1.Health service (Kubernetes' gRPC probes), answered by the ingress's Check

@@ -33,7 +33,8 @@ from deployments.metrics import RequestMetrics
 from deployments.openai_api import OpenAIRoutes, http_app
 from deployments.placement import pin_cpus, unplaceable
 from deployments.routing import pin
-from deployments.stages import DraftFallback, DraftResumed, KVHandoff, SessionOpened, Speculation, model_dirs, rss_bytes
+from deployments.stages import KVHandoff, SessionOpened, model_dirs, rss_bytes
+from deployments.verify import DraftFallback, DraftResumed, Speculation
 from deployments.status import RequestDeadlineError, StageUnavailableError, UnauthenticatedError, to_status, unwrap
 from services import drafters, eagle_draft
 from services.drafters import EAGLE_DRAFTER, MODEL_DRAFTER

@@ -4,7 +4,7 @@
 and verify stages and reads their answers, but calls nothing itself. A driver
 moves the data: ``speculative_decode`` here runs the engines in-process
 (benchmarks, ``generate --local``, tests); served, a request's verify replica
-runs it next to the target (deployments/stages.py: ``Verify``), executing a
+runs it next to the target (deployments/verify.py: ``Verify``), executing a
 round's calls with ``execute_async``.
 
     loop = SpeculativeLoop(first_token, ...)

@@ -1,4 +1,4 @@
-"""``services.loop.execute_async``, the round executor of the asyncio drivers (the ingress, Verify.speculate), on the
+"""``services.loop.execute_async``, the round executor of the asyncio driver (the verify replica's loop), on the
 tiny pair: a loop driven by it equals the target alone, also when the drafter fails mid-request, and an error of a
 call is raised only after the other call of its round has ended."""
 
