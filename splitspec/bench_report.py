@@ -44,6 +44,9 @@ GRPC = "docs/bench/bench-grpc.json"
 LOAD = "docs/bench/bench-load.json"
 SOAK = "docs/bench/soak.json"
 ENGINE = "docs/bench/bench-engine.json"
+LAYOUTS = "docs/bench/layouts/grpc.json"
+LAYOUTS_RUN = ("splitspec bench grpc --layouts colocated,disaggregated --timeline --prompts 8 --max-new-tokens 96 "
+               "--policies 'server default,eagle k=1,eagle k=2,eagle adaptive sequential'")
 FIGURES = [
     Figure("Spec-Bench, 480 first turns: server default vs speculation off, errors", SPECBENCH, ("errors",), "",
            "2026-12-06", "splitspec bench grpc --prompt-set specbench --check --prompts 0"),
@@ -59,6 +62,10 @@ FIGURES = [
            ("policies", "eagle k=2", "ratio_vs_off"), "x", "2026-12-05", "splitspec bench grpc"),
     Figure("held-out prompts, single stream: speculation off", GRPC, ("policies", "off", "tok_s"), "tok/s",
            "2026-12-05", "splitspec bench grpc"),
+    Figure("held-out prompts, verify alone on a core, the verify replica drafting: server default / speculation off",
+           LAYOUTS, ("layouts", "colocated", "policies", "server default", "ratio_vs_off"), "x", "2026-12-06", LAYOUTS_RUN),
+    Figure("the same, the draft stage drafting on the other core: server default / the verify replica drafting",
+           LAYOUTS, ("vs_colocated", "disaggregated", "server default"), "x", "2026-12-06", LAYOUTS_RUN),
     Figure("in-process, best EAGLE k / splitspec speculation off", ENGINE, ("speedup_vs_splitspec_off",), "x", "2026-12-06",
            "splitspec bench engine --ks 1,2,3"),
     Figure("in-process, best EAGLE k", ENGINE, ("splitspec_tok_s",), "tok/s", "2026-12-06",
