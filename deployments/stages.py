@@ -174,6 +174,10 @@ class _Stage:
                 "engine_nice_switches": self.priority.switches, "loop_thread": threading.current_thread().name,
                 "cpus": self.cpus}
 
+    async def sessions_of(self, request_id: str) -> list[str]:
+        """The ids of this replica's open sessions of request ``request_id`` (its session ids start with it)."""
+        return await self._run(self.engine.sessions.ids, f"{request_id}/")
+
     async def collect_garbage(self) -> int:
         """Run Python's cycle collector now (a soak's check: objects kept only by reference cycles, e.g. a failed
         call's traceback holding a zero-copy view of the object store, are freed when it runs); returns what it

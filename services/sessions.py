@@ -94,6 +94,10 @@ class SessionStore(Generic[S]):
         self._touched.pop(request_id, None)
         return self._sessions.pop(request_id, None)
 
+    def ids(self, prefix: str = "") -> list[str]:
+        """The open sessions' ids that start with ``prefix``."""
+        return [request_id for request_id in self._sessions if request_id.startswith(prefix)]
+
     def reap(self, idle_s: float) -> list[str]:
         """Close the sessions nobody has touched for more than ``idle_s`` (no live request can be that idle: its
         ingress is gone); returns their ids."""

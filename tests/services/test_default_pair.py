@@ -46,9 +46,9 @@ def test_pair_is_a_real_model(default_pair):
     assert "def is_prime" in text
 
 
-# (one k per drafter, and EAGLE's shortest and longest: tests/serving/test_greedy.py runs every drafter at k = 1, 3, 5
-# and adaptive through the graph, on the same default pair)
-@pytest.mark.parametrize("drafter,k", [("model", 3), ("eagle", 1), ("eagle", 5), ("prompt_lookup", 3)])
+# (the model drafter, and EAGLE's shortest and longest k; every drafter kind, pinned and adaptive k, runs through the
+# graph on the same pair in both layouts: tests/serving/test_colocated.py and test_greedy.py)
+@pytest.mark.parametrize("drafter,k", [("model", 3), ("eagle", 1), ("eagle", 5)])
 def test_greedy_equals_target_alone(default_pair, engines, prompts, drafter, k):
     """8 prompts x 64 tokens: token-identical to generate(do_sample=False) of the target."""
     target, _ = default_pair
