@@ -73,26 +73,31 @@ class RemoteDrafting:
 
     def __init__(self, draft: DeploymentHandle, session_id: str, timeout_s: float):
         self.draft, self.session_id, self.timeout_s = draft, session_id, timeout_s
+        self.base_id, self.starts = session_id, 0
         self.session: DeploymentHandle | None = None  # pinned to the replica that holds the session
 
     async def start(self, prompt_ids: list[int], params: SamplingParams, drafter: str, handoff) -> None:
         self.close()  # (a restart after a lost replica: the old session, if its replica is alive after all)
-        response = self.draft.start.remote(self.session_id, prompt_ids, params, drafter, handoff)
+        self.starts += 1
+        if self.starts > 1:  # a fresh id: a close of the old one routed to the replacement must not close this one
+            self.session_id = f"{self.base_id}#{self.starts}"
+        response_id = self.session_id
+        response = self.draft.start.remote(response_id, prompt_ids, params, drafter, handoff)
         call = asyncio.ensure_future(_awaited(response))  # (shielded below: a cancelled wait leaves it running)
         try:
             opened = await asyncio.wait_for(asyncio.shield(call), timeout=self.timeout_s)
         except (asyncio.CancelledError, asyncio.TimeoutError):
             # the loop ended, or the replica is slow: the session may still open there; close it once it has
-            _background(lambda: self._close_when_opened(call), self.timeout_s)
+            _background(lambda: self._close_when_opened(call, response_id), self.timeout_s)
             raise
         self.session = self.draft.options(session_id=pin(opened.replica_id))
 
-    async def _close_when_opened(self, call: asyncio.Future) -> None:
+    async def _close_when_opened(self, call: asyncio.Future, session_id: str) -> None:
         try:
             opened = await call
         except (Exception, asyncio.CancelledError):  # noqa: BLE001 - it never opened (or its replica closed it)
             return
-        await _awaited(self.draft.options(session_id=pin(opened.replica_id)).close.remote(self.session_id))
+        await _awaited(self.draft.options(session_id=pin(opened.replica_id)).close.remote(session_id))
 
     async def propose(self, p: Propose) -> DraftProposal:
         return await self._call(self.session.propose.remote(self.session_id, p.k, p.accepts, p.forced, p.guesses, p.width))
@@ -110,9 +115,9 @@ class RemoteDrafting:
         return False
 
     def close(self) -> None:
-        session, self.session = self.session, None
+        session, session_id, self.session = self.session, self.session_id, None
         if session is not None:
-            _background(lambda: session.close.remote(self.session_id), self.timeout_s)
+            _background(lambda: session.close.remote(session_id), self.timeout_s)
 
     async def _call(self, response):
         try:
