@@ -35,10 +35,11 @@ from deployments.placement import pin_cpus, unplaceable
 from deployments.routing import pin
 from deployments.stages import KVHandoff, SessionOpened, model_dirs, rss_bytes
 from deployments.verify import DraftFallback, DraftResumed, Speculation
-from deployments.status import RequestDeadlineError, StageUnavailableError, UnauthenticatedError, to_status, unwrap
+from deployments.status import (
+    RequestDeadlineError, StageUnavailableError, UnauthenticatedError, replica_lost, to_status, unwrap,
+)
 from services import drafters, eagle_draft
 from services.drafters import EAGLE_DRAFTER, MODEL_DRAFTER
-from services.errors import SessionEvictedError, SessionNotFoundError
 from services.loading import check_tokenizers, describe
 from services.loop import StepOutput
 from services.sampling import reseeded
@@ -50,9 +51,6 @@ logger = logging.getLogger(__name__)
 PLACEMENT_CHECK_PERIOD_S = 2.0  # how often the ingress re-checks that every stage can be placed
 HEALTH_PROBE_TIMEOUT_S = 2.0  # a stage replica that does not answer a ping this fast counts as down for Check
 RECENT_HANDOFFS = 64  # KV handoffs remembered for `recent_handoffs` (placement checks, debugging)
-# A stage replica that is gone (killed, OOM, node lost) or that lost the session (restarted): the ingress recovers
-# (``_replica_lost``; a session evicted by a full replica is not one: recovering would evict another).
-REPLICA_LOST = (SessionNotFoundError, ray_exceptions.RayActorError, ray_exceptions.ActorUnavailableError)
 MAX_RECOVERIES = 3  # replicas one request may lose and recover from; one more fails it with UNAVAILABLE
 RETRY_BACKOFF_S = (0.1, 2.0)  # first and longest wait between calls to a stage that has just lost a replica
 
@@ -297,7 +295,7 @@ class SpecDecodeIngress(OpenAIRoutes):
                 except Exception as exc:  # noqa: BLE001 - a lost replica (or KV) is recovered from; anything else is raised
                     self._stop_stream(s)
                     lost_kv = isinstance(unwrap(exc), ray_exceptions.ObjectLostError)
-                    if not (_replica_lost(exc) or lost_kv):
+                    if not (replica_lost(exc) or lost_kv):
                         raise
                     self._lost(plan, "prefill" if lost_kv else "verify", exc, s)
                     handoff, params, spec = await self._recover(plan, s, spec, features)
@@ -378,7 +376,7 @@ class SpecDecodeIngress(OpenAIRoutes):
                 return await self._call(stage, first if first is not None else make_call())
             except Exception as exc:  # noqa: BLE001 - only a lost replica is retried
                 first = None
-                if not _replica_lost(exc):
+                if not replica_lost(exc):
                     raise
                 if give_up is None:
                     self._lost(plan, stage, exc)
@@ -494,8 +492,7 @@ class SpecDecodeIngress(OpenAIRoutes):
 
     async def stats(self) -> dict:
         """This replica: requests running, resident memory, the lost stage replicas it has recovered from, by
-        stage (``draft_replica_answered``: times a request that lost its draft replica found a live one), and the
-        requests it has finished, by "<method> <outcome>" (as splitspec_requests_total counts them); the thread its
+        stage, and the requests it has finished, by "<method> <outcome>" (as splitspec_requests_total counts them); the thread its
         methods run on (as the stages' ``loop_thread``)."""
         return {"replica_id": serve.get_replica_context().replica_id.unique_id, "active": self.active,
                 "rss_bytes": rss_bytes(), "recoveries": dict(self.recoveries), "requests": dict(self.metrics.outcomes),
@@ -508,12 +505,6 @@ class SpecDecodeIngress(OpenAIRoutes):
     async def recent_handoffs(self) -> list[dict]:
         """Where the last KV handoffs went: prefill node, verify node, bytes resolved, latency."""
         return list(self.handoffs)
-
-
-def _replica_lost(exc: BaseException) -> bool:
-    """A stage call failed because its replica is gone or restarted (recoverable), not because it is full."""
-    cause = unwrap(exc)
-    return isinstance(cause, REPLICA_LOST) and not isinstance(cause, SessionEvictedError)
 
 
 async def _awaited(response):

@@ -46,6 +46,17 @@ DRAFT_FAILURES = (StageUnavailableError, CapacityError, SessionNotFoundError, ra
                   ray_exceptions.ActorUnavailableError, ray_exceptions.ObjectLostError)
 
 
+# A stage replica that is gone (killed, OOM, node lost) or that lost the session (restarted): its caller recovers
+# (``replica_lost``; a session evicted by a full replica is not one: recovering would evict another).
+REPLICA_LOST = (SessionNotFoundError, ray_exceptions.RayActorError, ray_exceptions.ActorUnavailableError)
+
+
+def replica_lost(exc: BaseException) -> bool:
+    """A stage call failed because its replica is gone or restarted (recoverable), not because it is full."""
+    cause = unwrap(exc)
+    return isinstance(cause, REPLICA_LOST) and not isinstance(cause, SessionEvictedError)
+
+
 def unwrap(exc: BaseException) -> BaseException:
     """The exception a stage raised, without Ray's RayTaskError wrapper."""
     while isinstance(exc, ray_exceptions.RayTaskError) and exc.cause is not None and exc.cause is not exc:

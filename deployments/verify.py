@@ -17,13 +17,12 @@ from collections import defaultdict, deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-import ray
 from ray import serve
 
 from deployments.drafting import LOCAL, REMOTE, LocalDrafting, RemoteDrafting
 from deployments.metrics import SessionMetrics
 from deployments.stages import KVHandoff, SessionOpened, _identity, _Stage, load_drafter, load_target
-from deployments.status import DRAFT_FAILURES, unwrap
+from deployments.status import DRAFT_FAILURES, replica_lost, unwrap
 from services.chained import ChainedCall, run_chained
 from services.draft import DraftEngine
 from services.errors import SessionNotFoundError
@@ -216,7 +215,7 @@ class Verify(_Stage):
             if not isinstance(cause, DRAFT_FAILURES + (asyncio.TimeoutError,)):
                 raise exc
             outputs.put_nowait(DraftFallback(when, type(cause).__name__))
-            if isinstance(drafting, RemoteDrafting) and _replica_lost(cause) and back is None:
+            if isinstance(drafting, RemoteDrafting) and replica_lost(cause) and back is None:
                 back = asyncio.get_running_loop().create_task(self._draft_answers(drafting))
 
         async def propose(p):
@@ -389,11 +388,6 @@ class Verify(_Stage):
 
 def _ms(seconds: float) -> float:
     return round(seconds * 1000, 3)
-
-
-def _replica_lost(cause: BaseException) -> bool:
-    """A draft call failed because its replica is gone or restarted, not because it is full."""
-    return isinstance(cause, (SessionNotFoundError, ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError))
 
 
 async def _awaited(response):
