@@ -72,12 +72,11 @@ def test_a_full_replica_is_not_a_lost_one():
     """A session evicted to make room is not recovered from (reopening it would evict another)."""
     from ray import exceptions as ray_exceptions
 
-    from deployments.ingress import _replica_lost
-    from deployments.status import to_status
+    from deployments.status import replica_lost, to_status
     from services.errors import SessionEvictedError, SessionNotFoundError
 
     evicted = SessionEvictedError("verify session 'x' was evicted to make room for newer requests; retry the request")
-    assert not _replica_lost(evicted)
+    assert not replica_lost(evicted)
     assert to_status(evicted)[0] == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert _replica_lost(SessionNotFoundError("verify session 'x' is unknown or already closed"))
-    assert _replica_lost(ray_exceptions.ActorUnavailableError("gone", b"0" * 16))
+    assert replica_lost(SessionNotFoundError("verify session 'x' is unknown or already closed"))
+    assert replica_lost(ray_exceptions.ActorUnavailableError("gone", b"0" * 16))
