@@ -13,7 +13,7 @@ from services.loop import FINISH_LENGTH, FINISH_STOP, SpeculationStats
 from services.sampling import SamplingParams
 from services.text import encode_prompt, validate_stop
 from services.validation import validate_max_new_tokens, validate_num_draft_tokens, validate_prompt
-from splitspec.v1 import splitspec_pb2 as pb
+from splitspec.api.v1 import splitspec_pb2 as pb
 
 FINISH_STOP_SEQUENCE = "stop_sequence"
 FINISH_REASONS = {

@@ -20,7 +20,7 @@ from deployments.routing import ROUTER_CLASS
 from deployments.stages import Draft, Prefill
 from deployments.verify import Verify
 
-GRPC_SERVICER = "splitspec.v1.splitspec_pb2_grpc.add_SpecDecodeServicer_to_server"
+GRPC_SERVICER = "splitspec.api.v1.splitspec_pb2_grpc.add_SpecDecodeServicer_to_server"
 # the standard grpc.health.v1.Health service (Kubernetes' gRPC probes), answered by the ingress's Check
 HEALTH_SERVICER = "grpc_health.v1.health_pb2_grpc.add_HealthServicer_to_server"
 GRPC_SERVICERS = [GRPC_SERVICER, HEALTH_SERVICER]

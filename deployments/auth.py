@@ -16,9 +16,8 @@ import os
 from collections.abc import Iterable
 from pathlib import Path
 
-TOKEN_ENV = "SPLITSPEC_AUTH_TOKEN"
-HEADER = "authorization"
-SCHEME = "bearer"
+from splitspec.api.auth import HEADER, SCHEME, TOKEN_ENV
+
 MIN_TOKEN_CHARS = 16  # a shorter token is refused at start: it could be guessed
 
 
@@ -41,8 +40,3 @@ def authenticated(metadata: Iterable[tuple[str, str]], expected_digest: str) -> 
     scheme, _, token = presented.partition(" ")
     digest = token_digest(token.strip()) if scheme.lower() == SCHEME else ""
     return hmac.compare_digest(digest.encode(), expected_digest.encode())
-
-
-def bearer(token: str) -> tuple[str, str]:
-    """The metadata pair a client sends."""
-    return HEADER, f"Bearer {token}"

@@ -44,7 +44,7 @@ from services.loading import check_tokenizers, describe
 from services.loop import StepOutput
 from services.sampling import reseeded
 from services.text import TextStream
-from splitspec.v1 import splitspec_pb2 as pb
+from splitspec.api.v1 import splitspec_pb2 as pb
 
 logger = logging.getLogger(__name__)
 

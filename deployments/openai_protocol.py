@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from deployments import api
 from services.errors import InvalidRequestError
 from services.loop import FINISH_LENGTH, FINISH_STOP
-from splitspec.v1 import splitspec_pb2 as pb
+from splitspec.api.v1 import splitspec_pb2 as pb
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # the OpenAI API's default for /v1/completions (chat: the server's default)
 DEFAULT_TEMPERATURE = 1.0  # the OpenAI API's default: a body without temperature samples (0 = greedy)

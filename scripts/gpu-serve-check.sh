@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # splitspec served on a GPU through Ray Serve in one command: configs/gpu-one.yaml deployed with a random-weight
 # pair (every stage on the GPU, then the drafter on the CPU beside GPU prefill and verify), greedy answers against
-# speculation off, a bounded stop (python -m splitspec.gpu_serve_check; its docstring says what is checked).
+# speculation off, a bounded stop (python -m splitspec.checks.gpu_serve; its docstring says what is checked).
 # Prints SKIP and exits 0 where torch sees no GPU; extra arguments go to the module (--device cpu, --json FILE).
 # On a machine without Ray or a registry (the device machine), build .gpu-bundle first where pip works
 # (scripts/gpu-bundle.sh) and carry it: this script unpacks it and puts it first on the path.
@@ -22,4 +22,4 @@ if [ -f .gpu-bundle/site.tar.xz ]; then
   fi
 fi
 export RAY_AUTH_MODE="${RAY_AUTH_MODE:-disabled}"
-PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" exec "$PYTHON" -m splitspec.gpu_serve_check "${extra[@]}" "$@"
+PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" exec "$PYTHON" -m splitspec.checks.gpu_serve "${extra[@]}" "$@"

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from deployments import auth
-from splitspec.bench_grpc import PROMPT_SETS
+from splitspec.bench.grpc import PROMPT_SETS
 from splitspec.stopping import DEFAULT_STOP_TIMEOUT_S
 
 
@@ -36,7 +36,7 @@ def cmd_models_prepare(args) -> int:
 
 
 def cmd_bench_engine(args) -> int:
-    from splitspec import bench_engine
+    from splitspec.bench import engine as bench_engine
 
     target, draft = _load_pair(args)
     ks = [int(k) for k in args.ks.split(",")]
@@ -56,7 +56,7 @@ def cmd_bench_engine(args) -> int:
 
 
 def cmd_bench_drafter(args) -> int:
-    from splitspec import bench_drafter
+    from splitspec.bench import drafter as bench_drafter
 
     target, draft = _load_pair(args)
     report = bench_drafter.run(target, draft, ks=[int(k) for k in args.ks.split(",")], num_prompts=args.prompts,
@@ -70,7 +70,7 @@ def cmd_bench_drafter(args) -> int:
 
 def cmd_bench_batching(args) -> int:
     from services.loading import set_num_threads
-    from splitspec import bench_batching
+    from splitspec.bench import batching as bench_batching
 
     set_num_threads(args.threads)
     report = bench_batching.run([int(n) for n in args.sessions.split(",")], repeats=args.repeats)
@@ -170,7 +170,7 @@ def cmd_serve(args) -> int:
     stopper = stopping.Stopper(args.stop_timeout).install()
     print(f"{STARTING} (Ctrl-C stops it, at any point)", flush=True)
     from splitspec import cluster
-    from splitspec.v1 import splitspec_pb2  # noqa: F401 - fail here, not in the proxy, if the stubs are broken
+    from splitspec.api.v1 import splitspec_pb2  # noqa: F401 - fail here, not in the proxy, if the stubs are broken
 
     config = _load_config(args.config)
     token = auth.read_token(args.auth_token_file)
@@ -256,7 +256,7 @@ def _print_listeners(args, local, token: bool) -> None:
 def cmd_generate(args) -> int:
     import grpc
 
-    from splitspec.client import SpecDecodeClient
+    from splitspec.api.client import SpecDecodeClient
 
     if args.local:
         return cmd_generate_local(args)
@@ -335,15 +335,16 @@ def cmd_bench_grpc(args) -> int:
 
 
 def _plot_grpc(report: dict, path: str) -> None:
-    from splitspec import bench_grpc
+    from splitspec.bench import grpc as bench_grpc
 
     bench_grpc.plot(report, path)
 
 
 def _bench_grpc(args, config=None) -> dict:
     """One service (``_service``): the policies side by side, printed; with ``--timeline``, one request's loop."""
-    from splitspec import bench_grpc, bench_layouts, cluster
-    from splitspec.client import SpecDecodeClient
+    from splitspec import cluster
+    from splitspec.bench import grpc as bench_grpc, layouts as bench_layouts
+    from splitspec.api.client import SpecDecodeClient
 
     config = config or _load_config(args.config)
     with _service(args, config) as (address, local):
@@ -384,8 +385,8 @@ def _bench_grpc(args, config=None) -> dict:
 
 
 def _bench_layouts(args) -> int:
-    """``--layouts``: each layout on a local cluster of its own (splitspec.bench_layouts), one after the other."""
-    from splitspec import bench_layouts
+    """``--layouts``: each layout on a local cluster of its own (splitspec.bench.layouts), one after the other."""
+    from splitspec.bench import layouts as bench_layouts
 
     if args.address:
         raise SystemExit("--layouts starts its own local clusters: drop --address")
@@ -405,7 +406,7 @@ def _bench_layouts(args) -> int:
 
 
 def cmd_bench_load(args) -> int:
-    from splitspec import bench_grpc, bench_load
+    from splitspec.bench import grpc as bench_grpc, load as bench_load
 
     prompts = bench_grpc.prompts_of(args.prompt_set)[: args.prompts]
     levels = [int(c) for c in args.concurrency.split(",")]
@@ -427,8 +428,8 @@ def cmd_bench_load(args) -> int:
 
 
 def _load_layouts(args, prompts, levels, policies) -> int:
-    """``bench load --layouts``: each layout on a local cluster of its own (splitspec.bench_layouts), gRPC."""
-    from splitspec import bench_layouts
+    """``bench load --layouts``: each layout on a local cluster of its own (splitspec.bench.layouts), gRPC."""
+    from splitspec.bench import layouts as bench_layouts
 
     if args.address:
         raise SystemExit("--layouts starts its own local clusters: drop --address")
@@ -453,8 +454,8 @@ def _load_layouts(args, prompts, levels, policies) -> int:
 
 def _load_run(args, prompts, levels, policies, config=None, apis=None) -> dict:
     """``bench_load.run`` through each API of ``apis`` (default ``--api``) on one service (``_service``)."""
-    from splitspec import bench_load
-    from splitspec.client import SpecDecodeClient
+    from splitspec.bench import load as bench_load
+    from splitspec.api.client import SpecDecodeClient
 
     report = {"api": {}}
     with _service(args, config) as (address, _):
@@ -486,8 +487,8 @@ def _print_load(report: dict, levels: list[int], args) -> None:
 
 
 def cmd_soak(args) -> int:
-    from splitspec import bench_grpc, soak
-    from splitspec.client import SpecDecodeClient
+    from splitspec.bench import grpc as bench_grpc, soak
+    from splitspec.api.client import SpecDecodeClient
 
     prompts = bench_grpc.prompts_of(args.prompt_set)
     print(f"soak: {args.requests} requests, {args.concurrency} at a time, seed {args.seed}: unary and streams, "
@@ -542,7 +543,7 @@ def cmd_health(args) -> int:
 
 
 def cmd_bench_report(args) -> int:
-    from splitspec import bench_report
+    from splitspec.bench import report as bench_report
 
     if args.check:
         current = bench_report.current()
@@ -645,7 +646,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "answer with speculation off's, exit 1 on any error or difference")
     grpc_bench.add_argument("--layouts", help="comma-separated serving layouts, each on a local cluster of its own, "
                             "side by side: colocated (the verify replica drafts) and disaggregated (the draft stage "
-                            "drafts), verify alone on the last CPU in both (splitspec.bench_layouts)")
+                            "drafts), verify alone on the last CPU in both (splitspec.bench.layouts)")
     grpc_bench.add_argument("--timeline", action="store_true", help="also print one server-default request's loop "
                             "as its verify replica timed it: per round the verify pass, the proposal, the drafter's "
                             "pass within it and the hop")
@@ -654,7 +655,7 @@ def build_parser() -> argparse.ArgumentParser:
     _service_args(load, prompts=16)
     load.add_argument("--concurrency", default="1,2,4,8,16,32", help="closed-loop levels, comma separated")
     load.add_argument("--layouts", help="comma-separated serving layouts (colocated, disaggregated), each on a local "
-                      "cluster of its own, side by side through gRPC (splitspec.bench_layouts)")
+                      "cluster of its own, side by side through gRPC (splitspec.bench.layouts)")
     load.add_argument("--requests-per-level", type=int, default=0, help="default: max(prompts, 2 x concurrency)")
     load.add_argument("--rate", type=float, default=0.0, help="also an open loop at this Poisson rate (requests/s)")
     load.add_argument("--open-requests", type=int, default=32, help="requests of the open loop")

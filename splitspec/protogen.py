@@ -1,4 +1,4 @@
-"""Generate the Python gRPC stubs of protos/ into splitspec/v1/ (the build step of the wire format).
+"""Generate the Python gRPC stubs of protos/ into splitspec/api/v1/ (the build step of the wire format).
 
     python -m splitspec.protogen          # regenerate the checked-in stubs
     python -m splitspec.protogen --check  # fail if they differ from the .proto
@@ -17,7 +17,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PROTO_ROOT = ROOT / "protos"
-PROTO = "splitspec/v1/splitspec.proto"
+PROTO = "splitspec/api/v1/splitspec.proto"
+STUBS = Path("splitspec", "api", "v1")
 GENERATED = ("splitspec_pb2.py", "splitspec_pb2.pyi", "splitspec_pb2_grpc.py")
 
 
@@ -37,14 +38,14 @@ def generate(out_dir: Path) -> list[Path]:
     ]
     if protoc.main(args) != 0:
         raise RuntimeError(f"protoc failed on {PROTO_ROOT / PROTO}")
-    return [out_dir / "splitspec" / "v1" / name for name in GENERATED]
+    return [out_dir / STUBS / name for name in GENERATED]
 
 
 def out_of_sync() -> list[str]:
     """Names of the checked-in stubs that differ from a fresh generation."""
     with tempfile.TemporaryDirectory() as tmp:
         fresh = generate(Path(tmp))
-        return [f.name for f in fresh if not filecmp.cmp(f, ROOT / "splitspec" / "v1" / f.name, shallow=False)]
+        return [f.name for f in fresh if not filecmp.cmp(f, ROOT / STUBS / f.name, shallow=False)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -60,8 +61,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     with tempfile.TemporaryDirectory() as tmp:
         for f in generate(Path(tmp)):
-            (ROOT / "splitspec" / "v1" / f.name).write_bytes(f.read_bytes())
-            print(f"wrote splitspec/v1/{f.name}")
+            (ROOT / STUBS / f.name).write_bytes(f.read_bytes())
+            print(f"wrote splitspec/api/v1/{f.name}")
     return 0
 
 

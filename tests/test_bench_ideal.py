@@ -3,7 +3,7 @@
 import pytest
 
 from services.policy import CostModel, describe
-from splitspec.bench_grpc import add_drafting_ideal
+from splitspec.bench.grpc import add_drafting_ideal
 
 
 def _report():

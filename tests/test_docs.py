@@ -18,7 +18,7 @@ def test_every_setting_has_a_description():
 
 
 def test_the_figures_table_is_the_committed_json():
-    from splitspec import bench_report
+    from splitspec.bench import report as bench_report
 
     for page in bench_report.PAGES:
         assert bench_report.page_table(page) == bench_report.table(page), f"{page}: run `splitspec bench report`"

@@ -12,7 +12,7 @@ import torch
 from services.loading import DeviceUnavailableError, check_device, wrap_model
 from services.models.tiny import tiny_pair
 from services.runner import ModelRunner
-from splitspec import gpu_check
+from splitspec.checks import gpu as gpu_check
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -1,7 +1,7 @@
 """The checked-in gRPC stubs are what protoc generates from protos/ today."""
 
 from splitspec import protogen
-from splitspec.v1 import splitspec_pb2 as pb
+from splitspec.api.v1 import splitspec_pb2 as pb
 
 
 def test_stubs_in_sync_with_proto():

@@ -5,7 +5,7 @@ import pytest
 
 from deployments import api
 from deployments.config import AppConfig
-from splitspec.client import make_request
+from splitspec.api.client import make_request
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ import grpc
 import pytest
 
 from deployments.faults import EXIT, HOLD, FaultPoints, FaultsDisabledError
-from splitspec.client import retryable
+from splitspec.api.client import retryable
 
 
 def test_arming_is_refused_unless_enabled():

@@ -9,7 +9,7 @@ from deployments import openai_protocol as protocol
 from deployments.status import ModelNotFoundError, RequestDeadlineError, StageUnavailableError, to_status
 from services.errors import CapacityError, InvalidRequestError
 from services.sampling import SamplingParams
-from splitspec.v1 import splitspec_pb2 as pb
+from splitspec.api.v1 import splitspec_pb2 as pb
 
 CHAT = protocol.ChatCompletionRequest
 TEXT = protocol.CompletionRequest

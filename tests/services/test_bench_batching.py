@@ -1,6 +1,6 @@
 """`splitspec bench batching` runs each engine's calls one by one and batched on the default pair (no timing asserted)."""
 
-from splitspec import bench_batching
+from splitspec.bench import batching as bench_batching
 
 
 def test_bench_batching_reports_every_call_kind(default_pair):

@@ -8,7 +8,7 @@ from transformers.generation.logits_process import TemperatureLogitsWarper, TopK
 
 from services.errors import InvalidRequestError
 from services.sampling import SamplingParams, logits_to_probs, make_generator, sample, speculative_sample
-from splitspec.chi_square import chi_square, threshold
+from splitspec.checks.chi_square import chi_square, threshold
 
 DRAWS = 12_000
 

@@ -127,7 +127,7 @@ def test_eagle_trees_on_the_default_pair(default_pair):
     from services.draft import DraftEngine
     from services.eagle_draft import installed_head
     from services.prefill import PrefillEngine
-    from splitspec.bench_engine import chat_ids, held_out_prompts
+    from splitspec.bench.engine import chat_ids, held_out_prompts
 
     target, draft = default_pair
     prefill, verify = PrefillEngine(target), VerifyEngine(target)

@@ -11,7 +11,7 @@ from ray import serve
 
 from deployments.config import DEFAULT_APP_NAME, AppConfig
 from services.text import encode_prompt
-from splitspec.client import SpecDecodeClient
+from splitspec.api.client import SpecDecodeClient
 from splitspec.cluster import free_port
 from tests.conftest import greedy_reference
 

@@ -5,7 +5,7 @@ import concurrent.futures
 import pytest
 from ray import serve
 
-from splitspec import soak
+from splitspec.bench import soak
 from tests.serving.conftest import MAX_NEW_TOKENS, PROMPTS, make_config, serving, until
 
 pytestmark = pytest.mark.slow
@@ -52,7 +52,7 @@ def test_both_replicas_held_sessions_and_closed_them(client):
 def test_soak_leaves_nothing_behind(client):
     """40 requests, 8 at a time, of every kind (unary and streams, every policy, some cancelled, some past a short
     deadline), over two replicas per stage and two ingress replicas: no unexpected outcome, every session closed,
-    the object store back to its baseline, replica memory flat (splitspec.soak; `splitspec soak` runs 500 x 32)."""
+    the object store back to its baseline, replica memory flat (splitspec.bench.soak; `splitspec soak` runs 500 x 32)."""
     report = soak.run(client, [p for p in PROMPTS], requests=40, concurrency=8, seed=1, progress=lambda _: None)
     assert report["unexpected"] == [], report["unexpected"]
     assert report["ok"], {k: report[k] for k in ("invariants", "object_store_bytes", "open_after", "rss_bytes")}

@@ -9,7 +9,7 @@ import httpx2 as httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from splitspec.client import make_request
+from splitspec.api.client import make_request
 from splitspec.cluster import PlacementError, deploy, placements_for
 from tests.serving.conftest import make_config, serving
 from tests.serving.test_errors import OK_PROMPT, OPENAI_PROMPT

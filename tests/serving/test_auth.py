@@ -6,9 +6,10 @@ import httpx2 as httpx
 import openai
 import pytest
 
-from deployments.auth import bearer, read_token, token_digest
+from deployments.auth import read_token, token_digest
+from splitspec.api.auth import bearer
 from deployments.config import AppConfig
-from splitspec.client import SpecDecodeClient
+from splitspec.api.client import SpecDecodeClient
 from tests.serving.conftest import PROMPTS, make_config, serving
 
 TOKEN = "test-token-0123456789abcdef"

@@ -261,7 +261,7 @@ def test_a_specbench_sample_through_the_graph(client):
     """Spec-Bench first turns, one of each category (`splitspec bench grpc --prompt-set specbench --check` runs all
     480): EAGLE trees of k = 3 answer every one, greedy, as speculation off does. Its summaries and RAG contexts
     grow their KV buffers inside verify passes, where a side-node path's compaction once failed (issue 36)."""
-    from splitspec import bench_grpc
+    from splitspec.bench import grpc as bench_grpc
 
     report = bench_grpc.run(client, prompt_set="specbench", num_prompts=6, max_new_tokens=32, warmup=0, check=True,
                             policies=["eagle k=3"])  # (drafting every step: the server default may decline here)

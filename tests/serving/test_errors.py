@@ -10,7 +10,7 @@ import httpx2 as httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from splitspec.client import make_request
+from splitspec.api.client import make_request
 from tests.serving.conftest import BOUND_S, arm, handle, held, make_config, open_sessions, serving, until
 
 pytestmark = pytest.mark.slow

@@ -12,7 +12,7 @@ import pytest
 import ray
 
 from services.tree import tree_rows
-from splitspec.client import SpecDecodeClient
+from splitspec.api.client import SpecDecodeClient
 from tests.serving.conftest import BOUND_S, MAX_NEW_TOKENS, arm, handle, held, make_config, serving, until
 
 pytestmark = pytest.mark.slow
@@ -189,7 +189,7 @@ def test_ingress_replica_lost_client_retries(client, expected):
     """The ingress replica is killed while a unary call is in flight (its verify call holds): the call fails, and the
     client sends it again, to the replacement ingress (UNAVAILABLE until it is up). The ingress replica serves the port
     here (direct ingress), so the call's connection breaks: UNAVAILABLE from the first (through Serve's proxy, Ray 2.60
-    says INTERNAL, "actor died unexpectedly": splitspec.client.retryable, tests/deployments/test_faults.py)."""
+    says INTERNAL, "actor died unexpectedly": splitspec.api.client.retryable, tests/deployments/test_faults.py)."""
     ingress = next(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
                    if a["name"].startswith(f"SERVE_REPLICA::{APP}#SpecDecodeIngress#"))
     retries = []

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from deployments.config import AppConfig
-from splitspec import gpu_serve_check
+from splitspec.checks import gpu_serve as gpu_serve_check
 from splitspec.cluster import free_port
 
 ROOT = Path(__file__).resolve().parents[2]

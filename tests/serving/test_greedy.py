@@ -4,7 +4,7 @@ adaptive k, with and without pre-drafting, and speculation off. (The local layou
 
 import pytest
 
-from splitspec.v1 import splitspec_pb2 as pb
+from splitspec.api.v1 import splitspec_pb2 as pb
 from tests.serving.conftest import (
     MAX_NEW_TOKENS, PROMPTS, assert_second_token_follows_the_target, handle, local_prefills, make_config, serving,
 )

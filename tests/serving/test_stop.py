@@ -7,7 +7,7 @@ import threading
 import grpc
 import pytest
 
-from splitspec.client import SpecDecodeClient
+from splitspec.api.client import SpecDecodeClient
 from splitspec.stopping import FORCED_EXIT_CODE
 from splitspec.cli import STARTING
 from tests.serving.conftest import free_port, stop_shared_cluster, until

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from splitspec.client import SpecDecodeClient, make_request
+from splitspec.api.client import SpecDecodeClient, make_request
 
 POLICIES = {
     "off": dict(speculate=False),

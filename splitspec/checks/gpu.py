@@ -1,4 +1,4 @@
-"""The engine on one device, checked in one command: ``python -m splitspec.gpu_check`` (scripts/gpu-check.sh).
+"""The engine on one device, checked in one command: ``python -m splitspec.checks.gpu`` (scripts/gpu-check.sh).
 
 No Ray, no gRPC: only services/ with torch and transformers, so that it runs
 on a bare GPU machine. On the chosen device (default cuda; skipped with a
@@ -251,7 +251,7 @@ def _chi_square(device, draws: int) -> str:
     from services.prefill import PrefillEngine
     from services.sampling import SamplingParams, logits_to_probs
     from services.verify import VerifyEngine
-    from splitspec.chi_square import chi_square, threshold
+    from splitspec.checks.chi_square import chi_square, threshold
 
     target, _ = _tiny(device)
     verify = VerifyEngine(target)

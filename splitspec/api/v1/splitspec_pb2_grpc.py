@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from splitspec.v1 import splitspec_pb2 as splitspec_dot_v1_dot_splitspec__pb2
+from splitspec.api.v1 import splitspec_pb2 as splitspec_dot_api_dot_v1_dot_splitspec__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in splitspec/v1/splitspec_pb2_grpc.py depends on'
+        + ' but the generated code in splitspec/api/v1/splitspec_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -37,13 +37,13 @@ class SpecDecodeStub:
         """
         self.Generate = channel.unary_unary(
                 '/splitspec.v1.SpecDecode/Generate',
-                request_serializer=splitspec_dot_v1_dot_splitspec__pb2.GenerateRequest.SerializeToString,
-                response_deserializer=splitspec_dot_v1_dot_splitspec__pb2.GenerateResponse.FromString,
+                request_serializer=splitspec_dot_api_dot_v1_dot_splitspec__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=splitspec_dot_api_dot_v1_dot_splitspec__pb2.GenerateResponse.FromString,
                 _registered_method=True)
         self.GenerateStream = channel.unary_stream(
                 '/splitspec.v1.SpecDecode/GenerateStream',
-                request_serializer=splitspec_dot_v1_dot_splitspec__pb2.GenerateStreamRequest.SerializeToString,
-                response_deserializer=splitspec_dot_v1_dot_splitspec__pb2.GenerateStreamResponse.FromString,
+                request_serializer=splitspec_dot_api_dot_v1_dot_splitspec__pb2.GenerateStreamRequest.SerializeToString,
+                response_deserializer=splitspec_dot_api_dot_v1_dot_splitspec__pb2.GenerateStreamResponse.FromString,
                 _registered_method=True)
 
 
@@ -70,13 +70,13 @@ def add_SpecDecodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Generate': grpc.unary_unary_rpc_method_handler(
                     servicer.Generate,
-                    request_deserializer=splitspec_dot_v1_dot_splitspec__pb2.GenerateRequest.FromString,
-                    response_serializer=splitspec_dot_v1_dot_splitspec__pb2.GenerateResponse.SerializeToString,
+                    request_deserializer=splitspec_dot_api_dot_v1_dot_splitspec__pb2.GenerateRequest.FromString,
+                    response_serializer=splitspec_dot_api_dot_v1_dot_splitspec__pb2.GenerateResponse.SerializeToString,
             ),
             'GenerateStream': grpc.unary_stream_rpc_method_handler(
                     servicer.GenerateStream,
-                    request_deserializer=splitspec_dot_v1_dot_splitspec__pb2.GenerateStreamRequest.FromString,
-                    response_serializer=splitspec_dot_v1_dot_splitspec__pb2.GenerateStreamResponse.SerializeToString,
+                    request_deserializer=splitspec_dot_api_dot_v1_dot_splitspec__pb2.GenerateStreamRequest.FromString,
+                    response_serializer=splitspec_dot_api_dot_v1_dot_splitspec__pb2.GenerateStreamResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -105,8 +105,8 @@ class SpecDecode:
             request,
             target,
             '/splitspec.v1.SpecDecode/Generate',
-            splitspec_dot_v1_dot_splitspec__pb2.GenerateRequest.SerializeToString,
-            splitspec_dot_v1_dot_splitspec__pb2.GenerateResponse.FromString,
+            splitspec_dot_api_dot_v1_dot_splitspec__pb2.GenerateRequest.SerializeToString,
+            splitspec_dot_api_dot_v1_dot_splitspec__pb2.GenerateResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -132,8 +132,8 @@ class SpecDecode:
             request,
             target,
             '/splitspec.v1.SpecDecode/GenerateStream',
-            splitspec_dot_v1_dot_splitspec__pb2.GenerateStreamRequest.SerializeToString,
-            splitspec_dot_v1_dot_splitspec__pb2.GenerateStreamResponse.FromString,
+            splitspec_dot_api_dot_v1_dot_splitspec__pb2.GenerateStreamRequest.SerializeToString,
+            splitspec_dot_api_dot_v1_dot_splitspec__pb2.GenerateStreamResponse.FromString,
             options,
             channel_credentials,
             insecure,

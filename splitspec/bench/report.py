@@ -10,7 +10,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PAGES = (ROOT / "README.md", ROOT / "docs" / "benchmarks.md")  # each holds the table between BEGIN and END
 BEGIN, END = "<!-- figures: begin (splitspec bench report) -->", "<!-- figures: end -->"
 

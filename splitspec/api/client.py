@@ -9,9 +9,9 @@ from collections.abc import Callable, Iterator, Sequence
 
 import grpc
 
-from deployments import auth
-from splitspec.v1 import splitspec_pb2 as pb
-from splitspec.v1 import splitspec_pb2_grpc as pb_grpc
+from splitspec.api import auth
+from splitspec.api.v1 import splitspec_pb2 as pb
+from splitspec.api.v1 import splitspec_pb2_grpc as pb_grpc
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +73,7 @@ def _log_retry(exc: grpc.RpcError, attempt: int, delay_s: float) -> None:
 
 
 class SpecDecodeClient:
-    """``token``: the server's bearer token (default: ``SPLITSPEC_AUTH_TOKEN``, if set; deployments.auth).
+    """``token``: the server's bearer token (default: ``SPLITSPEC_AUTH_TOKEN``, if set; splitspec.api.auth).
 
     ``generate`` sends a call again when no ingress replica took it or its ingress replica died (``retryable``;
     ``retries`` times, with backoff, within ``timeout_s``), calling ``on_retry(error, attempt, delay_s)`` before each

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from splitspec.client import SpecDecodeClient
+from splitspec.api.client import SpecDecodeClient
 
 POLICIES = {
     "off": dict(speculate=False),

@@ -25,7 +25,7 @@ import time
 import grpc
 
 from services.models.prompts import held_out_prompts
-from splitspec.client import SpecDecodeClient
+from splitspec.api.client import SpecDecodeClient
 
 POLICIES = {
     "off": dict(speculate=False),

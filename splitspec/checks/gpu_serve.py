@@ -36,9 +36,9 @@ from pathlib import Path
 import torch
 import yaml
 
-from splitspec.gpu_check import first_difference
+from splitspec.checks.gpu import first_difference
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "configs" / "gpu-one.yaml"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "List three primary colors.",
@@ -55,7 +55,7 @@ REQUEST_TIMEOUT_S = 120  # a request that hangs fails its check within this (the
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m splitspec.gpu_serve_check", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m splitspec.checks.gpu_serve", description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: the same runs on the CPU")
     parser.add_argument("--tokenizer", type=Path, help="a folder with the default pair's tokenizer files (default: "
                         "the prepared default target's)")
@@ -176,7 +176,7 @@ def _run_env(run: str, device: str) -> dict[str, str]:
 def serve_and_check(run: str, config: Path, max_new_tokens: int, env: dict[str, str] | None = None) -> dict:
     """Start `splitspec serve --config config` (on free ports), run the checks through gRPC, stop it; the run's
     results: {"run", "checks": [{"name", "ok", "detail"}], and figures per policy}."""
-    from splitspec.client import SpecDecodeClient
+    from splitspec.api.client import SpecDecodeClient
     from splitspec.cluster import free_port
 
     print(f"== {run}: splitspec serve --config {config.name} ({_stages(config)})", flush=True)

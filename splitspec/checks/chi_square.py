@@ -1,5 +1,5 @@
 """Chi-square goodness of fit of sampled token counts against a distribution: how the sampler's exactness is checked
-(the test suite and ``splitspec.gpu_check``)."""
+(the test suite and ``splitspec.checks.gpu``)."""
 
 from __future__ import annotations
 

@@ -41,7 +41,7 @@ from services.models.prompts import held_out_prompts
 from services.prefill import PrefillEngine
 from services.sampling import SamplingParams
 from services.verify import VerifyEngine
-from splitspec.bench_engine import (
+from splitspec.bench.engine import (
     Arm, StepCosts, TimedDraft, TimedVerify, _draft_vocab_size, _timed, _traced_generate, ideal_seconds,
 )
 
