@@ -14,12 +14,12 @@ and take the loop's ``Propose``:
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import time
 from typing import Protocol
 
 from ray.serve.handle import DeploymentHandle
 
+from deployments import calls
 from deployments.routing import pin
 from services.chained import ChainedCall
 from services.draft import DraftProposal, ProposeCall
@@ -83,12 +83,12 @@ class RemoteDrafting:
             self.session_id = f"{self.base_id}#{self.starts}"
         response_id = self.session_id
         response = self.draft.start.remote(response_id, prompt_ids, params, drafter, handoff)
-        call = asyncio.ensure_future(_awaited(response))  # (shielded below: a cancelled wait leaves it running)
+        call = asyncio.ensure_future(calls.awaited(response))  # (shielded below: a cancelled wait leaves it running)
         try:
             opened = await asyncio.wait_for(asyncio.shield(call), timeout=self.timeout_s)
         except (asyncio.CancelledError, asyncio.TimeoutError):
             # the loop ended, or the replica is slow: the session may still open there; close it once it has
-            _background(lambda: self._close_when_opened(call, response_id), self.timeout_s)
+            calls.detached(lambda: self._close_when_opened(call, response_id), self.timeout_s)
             raise
         self.session = self.draft.options(session_id=pin(opened.replica_id))
 
@@ -97,52 +97,26 @@ class RemoteDrafting:
             opened = await call
         except (Exception, asyncio.CancelledError):  # noqa: BLE001 - it never opened (or its replica closed it)
             return
-        await _awaited(self.draft.options(session_id=pin(opened.replica_id)).close.remote(session_id))
+        await self.draft.options(session_id=pin(opened.replica_id)).close.remote(session_id)
 
     async def propose(self, p: Propose) -> DraftProposal:
         return await self._call(self.session.propose.remote(self.session_id, p.k, p.accepts, p.forced, p.guesses, p.width))
 
     async def answers(self) -> bool:
         """Whether a draft replica answers a call, asking until ``timeout_s`` (a lost replica's replacement)."""
-        delay, give_up = 0.1, time.monotonic() + self.timeout_s
+        waits, give_up = calls.backoff(), time.monotonic() + self.timeout_s
         while time.monotonic() < give_up:
             try:
                 await self._call(self.draft.ping.remote())
                 return True
             except Exception:  # noqa: BLE001 - the lost replica, or none yet: ask again
-                await asyncio.sleep(delay)
-                delay = min(2 * delay, 2.0)
+                await asyncio.sleep(next(waits))
         return False
 
     def close(self) -> None:
         session, session_id, self.session = self.session, self.session_id, None
         if session is not None:
-            _background(lambda: session.close.remote(session_id), self.timeout_s)
+            calls.detached(lambda: session.close.remote(session_id), self.timeout_s)
 
     async def _call(self, response):
-        try:
-            return await asyncio.wait_for(_awaited(response), timeout=self.timeout_s)
-        except asyncio.TimeoutError:
-            response.cancel()
-            raise
-
-
-async def _awaited(response):
-    return await response
-
-
-_running: set[asyncio.Task] = set()  # calls that outlive their loop (asyncio holds tasks only weakly)
-
-
-def _background(make_call, timeout_s: float) -> None:
-    """Run ``make_call()`` (a stage call or a coroutine) to its end in a task of its own, outside any request (a
-    cancelled loop's session close must still go out); errors are dropped: the session may be gone already."""
-    async def run():
-        try:
-            await asyncio.wait_for(_awaited(make_call()), timeout=timeout_s)
-        except Exception:  # noqa: BLE001 - a replica gone or a session closed already: nothing to close
-            pass
-
-    task = asyncio.get_running_loop().create_task(run(), context=contextvars.Context())
-    _running.add(task)
-    task.add_done_callback(_running.discard)
+        return await calls.within(response, self.timeout_s)

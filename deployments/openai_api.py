@@ -4,8 +4,9 @@
     POST /v1/chat/completions, /v1/completions   stream: true -> server-sent events, then "data: [DONE]"
     GET  /health                                 200 when serving, else 503 (no token needed)
 
-The routes are methods of ``SpecDecodeIngress`` (it inherits this mixin) and drive the same validation and loop as
-the gRPC methods; ``deployments.openai_protocol`` translates the JSON. Errors are OpenAI error JSON with their HTTP
+The routes are methods of ``SpecDecodeIngress`` (it inherits this mixin: Serve serves a FastAPI app's routes as
+methods of the deployment) and drive only its public interface (``Ingress``), as the gRPC methods do;
+``deployments.openai_protocol`` translates the JSON. Errors are OpenAI error JSON with their HTTP
 status (400 bad input, 401 no token, 404 unknown model, 413 body over limits.max_request_bytes, 429 full, 503 stage
 unavailable, 504 deadline).
 """
@@ -17,12 +18,15 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
+from typing import Protocol
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from deployments import api
 from deployments import openai_protocol as protocol
+from deployments.config import AppConfig
+from deployments.metrics import RequestMetrics
 from deployments.status import ModelNotFoundError, RequestTooLargeError, to_status
 
 # no /docs, /redoc or /openapi.json: they would answer without the bearer token (api.md documents the API)
@@ -33,25 +37,45 @@ CHAT, TEXT = "ChatCompletions", "Completions"  # their `method` label in splitsp
 REQUEST_ID_HEADER = "x-request-id"
 
 
+class Ingress(Protocol):
+    """What the routes use of the ingress (deployments.ingress.SpecDecodeIngress)."""
+
+    config: AppConfig
+    metrics: RequestMetrics
+    model_id: str  # the served model's name
+    created: int  # when it was started (unix seconds)
+    max_context: int  # the target's context window
+
+    def authenticate(self, metadata) -> None: ...
+
+    async def plan(self, request) -> api.Plan: ...
+
+    def text_steps(self, plan: api.Plan, timer: api.Timer, deadline: float) -> AsyncIterator: ...
+
+    async def collect(self, plan: api.Plan, timer: api.Timer, deadline: float) -> tuple[str, list[int], str]: ...
+
+    async def serving(self) -> bool: ...
+
+
 class OpenAIRoutes:
-    """The HTTP routes of ``SpecDecodeIngress`` (which provides the loop, the tokenizer and the metrics)."""
+    """The HTTP routes of an ``Ingress`` (``SpecDecodeIngress`` inherits them)."""
 
     @http_app.get("/v1/models")
     async def list_models(self, request: Request) -> Response:
         try:
-            self._authenticate(request.headers.items())
+            self.authenticate(request.headers.items())
         except Exception as exc:  # noqa: BLE001 - an error becomes its HTTP status here
             return _error_response(exc)
-        return JSONResponse(protocol.models(self.model_id, self.created, self.target.max_context))
+        return JSONResponse(protocol.models(self.model_id, self.created, self.max_context))
 
     @http_app.get("/v1/models/{model:path}")
     async def retrieve_model(self, model: str, request: Request) -> Response:
         try:
-            self._authenticate(request.headers.items())
+            self.authenticate(request.headers.items())
             self._check_model(model)
         except Exception as exc:  # noqa: BLE001
             return _error_response(exc)
-        return JSONResponse(protocol.model_card(self.model_id, self.created, self.target.max_context))
+        return JSONResponse(protocol.model_card(self.model_id, self.created, self.max_context))
 
     @http_app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
@@ -63,7 +87,7 @@ class OpenAIRoutes:
 
     @http_app.get("/health")
     async def health(self) -> Response:
-        serving = await self._serving()
+        serving = await self.serving()
         return JSONResponse({"status": "SERVING" if serving else "NOT_SERVING"}, status_code=200 if serving else 503)
 
     # -- a completion, whole or streamed --------------------------------------------------------------------------
@@ -73,21 +97,21 @@ class OpenAIRoutes:
         timer = api.Timer()
         deadline = time.monotonic() + self.config.limits.request_timeout_s
         try:
-            self._authenticate(request.headers.items())
+            self.authenticate(request.headers.items())
             body = protocol.parse_body(protocol.ChatCompletionRequest if chat else protocol.CompletionRequest,
                                        await _body(request, self.config.limits.max_request_bytes))
             self._check_model(body.model)
             message = protocol.generate_request(body, request.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex)
-            plan = await asyncio.get_running_loop().run_in_executor(self._tokenizing, self._plan, message)
+            plan = await self.plan(message)
             options = body.stream_options or protocol.StreamOptions()
             completion = protocol.Completion(chat, plan, self.model_id, include_usage=options.include_usage,
                                              continuous_usage=options.include_usage and options.continuous_usage_stats)
             if body.stream:
-                steps = self._text_steps_before(deadline, plan, timer)
+                steps = self.text_steps(plan, timer, deadline)
                 first = await anext(steps)  # prefill's token: what fails up to here still gets its HTTP status
                 return StreamingResponse(self._events(method, completion, first, steps, timer),
                                          media_type="text/event-stream")
-            text, token_ids, finish_reason = await self._collect(plan, timer, deadline)
+            text, token_ids, finish_reason = await self.collect(plan, timer, deadline)
         except asyncio.CancelledError:
             self.metrics.finished(method, "CANCELLED")
             raise

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 
 from ray import serve
 
-from deployments.drafting import LOCAL, REMOTE, LocalDrafting, RemoteDrafting
+from deployments import calls
+from deployments.drafting import LOCAL, REMOTE, Drafting, LocalDrafting, RemoteDrafting
 from deployments.metrics import SessionMetrics
 from deployments.stages import KVHandoff, SessionOpened, _identity, _Stage, load_drafter, load_target
 from deployments.status import DRAFT_FAILURES, replica_lost, unwrap
@@ -30,8 +31,9 @@ from services.loop import Results, SpeculativeLoop, StepOutput, execute_async
 from services.policy import (
     DECLINED_LOAD, AcceptanceCounts, AdaptiveK, CostModel, RequestGate, RequestPolicy, adaptive_k, decide, describe,
 )
+from services.resume import resume_from
 from services.runner import warm_up
-from services.sampling import SamplingParams, reseeded
+from services.sampling import SamplingParams
 from services.verify import VerifyCall, VerifyEngine
 
 logger = logging.getLogger(__name__)
@@ -205,7 +207,7 @@ class Verify(_Stage):
         proposals come from its own drafter or from the draft stage (deployments.drafting). It runs in a task of its
         own, so that the delivery of a step overlaps the next one. A draft failure turns drafting off (the answer
         is the same); a lost draft replica is watched for a live one, and drafting resumes there."""
-        drafting: LocalDrafting | RemoteDrafting | None = None
+        drafting: Drafting | None = None
         back: asyncio.Task | None = None  # after a lost draft replica: True once a draft replica answers
         emitted: list[int] = []
 
@@ -329,13 +331,13 @@ class Verify(_Stage):
                                 policy: RequestPolicy, emitted: list[int]) -> bool:
         """A fresh draft session over the context and every emitted token but the last (which the drafter continues
         from), with the target's features of all of them from a prefill where the kind reads them."""
-        ids = spec.prompt_ids + emitted[:-1]
-        params = reseeded(params, len(emitted))
+        resume = resume_from(spec.prompt_ids, params, spec.max_new_tokens, emitted)
+        ids, params = resume.ids, resume.params
         try:
             handoff = None
             if policy.reads_features:
-                handoff = await asyncio.wait_for(_awaited(self.prefill.prefill.remote(ids, params, True)),
-                                                 timeout=self.config.limits.stage_timeout_s)
+                handoff = await calls.within(self.prefill.prefill.remote(ids, params, True),
+                                            self.config.limits.stage_timeout_s)
             await drafting.start(ids, params, policy.drafter, handoff)
             return True
         except Exception as exc:  # noqa: BLE001 - stay with the target alone
@@ -388,7 +390,3 @@ class Verify(_Stage):
 
 def _ms(seconds: float) -> float:
     return round(seconds * 1000, 3)
-
-
-async def _awaited(response):
-    return await response

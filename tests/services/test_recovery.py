@@ -1,4 +1,4 @@
-"""What the ingress does when a stage replica is lost (deployments/ingress.py), on the tiny pair in-process.
+"""What the service does when a stage replica is lost (services.resume, deployments.decoding), on the tiny pair in-process.
 
 A lost verify session is reopened from a prefill of the prompt and every emitted token but the last, pending that
 last token: the state it had before the failed call. A lost draft session turns drafting off; a fresh one over the
@@ -10,6 +10,7 @@ import torch
 
 from services.loop import Results, SpeculativeLoop, StepOutput
 from services.models.tiny import TINY_VOCAB_SIZE
+from services.resume import resume_from
 from services.sampling import SamplingParams, logits_to_probs, reseeded
 from tests.conftest import greedy_reference
 from tests.services.test_engine import PROMPTS
@@ -37,7 +38,8 @@ def _run(engines, prompt, drafter, *, lose_verify_at=(), lose_draft_at=None, res
                 drafted_per_step.append(item.n_drafted)
                 steps += 1
                 if steps == resume_draft_at:
-                    draft.start("r", prompt + tokens[:-1], params, drafter)
+                    resume = resume_from(prompt, params, NEW_TOKENS, tokens)  # as the verify replica restarts it
+                    draft.start("r", resume.ids, resume.params, drafter)
                     loop.resume_drafting()
                 continue
             results = Results()
@@ -53,9 +55,9 @@ def _run(engines, prompt, drafter, *, lose_verify_at=(), lose_draft_at=None, res
                 verifies += 1
                 if verifies in lose_verify_at:
                     verify.close("r")
-                    reopened = reseeded(params, len(tokens))  # as the ingress reopens it
-                    again = prefill.prefill(prompt + tokens[:-1], reopened)  # on a live prefill replica
-                    verify.open("r", again.payload, tokens[-1], reopened)
+                    resume = resume_from(prompt, params, NEW_TOKENS, tokens)  # as the ingress reopens it
+                    again = prefill.prefill(resume.ids, resume.params)  # on a live prefill replica
+                    verify.open("r", again.payload, resume.last_token, resume.params)
                 results.verdict = verify.verify("r", item.verify.draft_ids, item.verify.probs)
     finally:
         verify.close("r")
