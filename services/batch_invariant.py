@@ -45,7 +45,7 @@ import torch
 from services.errors import InvalidRequestError
 from services.fast_llama import DenseKVCache
 from services.kv import KVPayload, check_fingerprint, new_buffer
-from services.runner import ModelRunner
+from services.hf_runner import ModelRunner
 from services.validation import MAX_DRAFT_TOKENS
 
 PASS_ROWS = MAX_DRAFT_TOKENS + 1  # the longest verify block: pending + k drafts; every shorter chunk is padded to it

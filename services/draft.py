@@ -24,7 +24,10 @@ import torch
 
 from services import draft_vocab
 from services.draft_vocab import DraftVocab
-from services.drafters import DRAFT_STREAM, EAGLE_DRAFTER, MODEL_DRAFTER, PROMPT_LOOKUP_DRAFTER, DrafterKind, register
+from services.drafters import (
+    DRAFT_STREAM, EAGLE_DRAFTER, MODEL_DRAFTER, PROMPT_LOOKUP_DRAFTER, Branch, DraftProposal, DrafterKind, branch_keys,
+    check_accept, drive, register,
+)
 from services import drafters
 from services.errors import InvalidRequestError
 from services.models import eagle
@@ -38,41 +41,6 @@ from services.validation import MAX_DRAFT_TOKENS, validate_num_draft_tokens, val
 
 MAX_GUESSES = 8  # verdicts pre_draft may draft a block for, per side (accepted / rejected)
 TOKEN_BYTES = 8  # bookkeeping size of a token id in a prompt-lookup session
-
-
-@dataclass
-class Branch:
-    """A block drafted for one verdict on the forced tokens: n_matches of them accepted, then next_token."""
-
-    n_matches: int
-    next_token: int
-    token_ids: list[int]  # [k'] the block after next_token
-    probs: torch.Tensor | None  # [k', vocab_size] q; None = one-hot
-
-
-@dataclass
-class DraftProposal:
-    token_ids: list[int]  # [k'] with k' <= k (prompt lookup may find fewer)
-    probs: torch.Tensor | None  # [k', vocab_size] draft distributions q; None = one-hot
-    branches: list[Branch] = field(default_factory=list)  # pre_draft's, most likely verdict first
-    parents: list[int] | None = None  # the tokens as a draft tree (services.tree): the chain, then side nodes
-    draft_s: float = 0.0  # seconds of the drafter's pass that drafted it, where it drafts (a timeline's "draft")
-
-
-def guess_order(logits: torch.Tensor, width: int, exclude: int | None = None) -> list[int]:
-    """The ``width`` most likely ids of ``logits`` [V] (over the full vocabulary), without ``exclude``."""
-    top = torch.topk(logits, min(width + 1, logits.shape[-1])).indices.tolist()
-    return [t for t in top if t != exclude][:width]
-
-
-def branch_keys(prefix_logits: list[torch.Tensor], forced: list[int], guesses: int) -> list[tuple[int, int]]:
-    """(n_matches, next_token) verdicts worth a block: all forced tokens accepted then one of ``guesses`` top ids,
-    or (with forced tokens) the first rejected and replaced by one of ``guesses - 1`` others (``prefix_logits[n]``:
-    the drafter's logits for the token after forced[:n])."""
-    keys = [(len(forced), t) for t in guess_order(prefix_logits[len(forced)], guesses)]
-    if forced and guesses > 1:
-        keys += [(0, t) for t in guess_order(prefix_logits[0], guesses - 1, exclude=forced[0])]
-    return keys
 
 
 @dataclass
@@ -133,7 +101,7 @@ class ModelDraftSession:
 
     def _alone(self, steps):
         """Drive a generator of Forward chunks one forward pass at a time; its result."""
-        return eagle.drive(steps, lambda chunk: self.runner.forward(chunk.input_ids, chunk.cache, last_only=True))
+        return drive(steps, lambda chunk: self.runner.forward(chunk.input_ids, chunk.cache, last_only=True))
 
     def pre_draft(self, k: int, forced: Sequence[int], guesses: int) -> DraftProposal:
         """A block of k after each likely verdict on ``forced`` (rolling the KV back to each branch point)."""
@@ -175,7 +143,7 @@ class ModelDraftSession:
         return token_ids, None if self.params.greedy else torch.stack(q_rows)  # [k, vocab_size]
 
     def accept(self, n_matches: int, next_token: int, features: torch.Tensor | None = None) -> None:  # features: unused
-        accepted = _check_accept(self.proposal, n_matches)
+        accepted = check_accept(self.proposal, n_matches)
         context_len = len(self.tokens)
         self.tokens += accepted + [int(next_token)]
         # roll back: keep KV of the context and the accepted drafts only
@@ -215,14 +183,8 @@ class PromptLookupSession:
         yield  # noqa: unreachable
 
     def accept(self, n_matches: int, next_token: int, features: torch.Tensor | None = None) -> None:  # features: unused
-        self.tokens += _check_accept(self.proposal, n_matches) + [int(next_token)]
+        self.tokens += check_accept(self.proposal, n_matches) + [int(next_token)]
         self.proposal = []
-
-
-def _check_accept(proposal: list[int], n_matches: int) -> list[int]:
-    if not 0 <= n_matches <= len(proposal):
-        raise InvalidRequestError(f"accepted {n_matches} tokens of a proposal of {len(proposal)}")
-    return proposal[:n_matches]
 
 
 class DraftEngine:

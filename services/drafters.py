@@ -1,10 +1,10 @@
 """Drafter kinds: one protocol, one registry by name.
 
 A drafter kind proposes draft tokens for one sequence at a time, as a
-``DraftSession``; ``DraftEngine`` (services.draft) holds the sessions of many
-requests and drafts them in lockstep. Where the engine runs (beside the
-target, or in the draft stage) is the serving graph's business, not the
-kind's.
+``DraftSession`` that returns a ``DraftProposal``; ``DraftEngine``
+(services.draft) holds the sessions of many requests and drafts them in
+lockstep. Where the engine runs (beside the target, or in the draft stage)
+is the serving graph's business, not the kind's.
 
 A new kind is one module that defines its session and one ``register`` line:
 
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable, Generator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -33,6 +33,59 @@ EAGLE_DRAFTER = "eagle"  # a one-layer head over the target's features (services
 PROMPT_LOOKUP_DRAFTER = "prompt_lookup"  # n-gram matches in the prompt and the text so far
 DRAFT_STREAM = 1  # random stream of draft samples (see sampling.make_generator)
 BUILTIN_MODULES = ("services.draft", "services.eagle_draft")  # they register the three kinds above
+
+
+@dataclass
+class Branch:
+    """A block drafted for one verdict on the forced tokens: n_matches of them accepted, then next_token."""
+
+    n_matches: int
+    next_token: int
+    token_ids: list[int]  # [k'] the block after next_token
+    probs: torch.Tensor | None  # [k', vocab_size] q; None = one-hot
+
+
+@dataclass
+class DraftProposal:
+    token_ids: list[int]  # [k'] with k' <= k (prompt lookup may find fewer)
+    probs: torch.Tensor | None  # [k', vocab_size] draft distributions q; None = one-hot
+    branches: list[Branch] = field(default_factory=list)  # pre_draft's, most likely verdict first
+    parents: list[int] | None = None  # the tokens as a draft tree (services.tree): the chain, then side nodes
+    draft_s: float = 0.0  # seconds of the drafter's pass that drafted it, where it drafts (a timeline's "draft")
+
+
+def guess_order(logits: torch.Tensor, width: int, exclude: int | None = None) -> list[int]:
+    """The ``width`` most likely ids of ``logits`` [V] (over the full vocabulary), without ``exclude``."""
+    top = torch.topk(logits, min(width + 1, logits.shape[-1])).indices.tolist()
+    return [t for t in top if t != exclude][:width]
+
+
+def branch_keys(prefix_logits: list[torch.Tensor], forced: list[int], guesses: int) -> list[tuple[int, int]]:
+    """(n_matches, next_token) verdicts worth a block: all forced tokens accepted then one of ``guesses`` top ids,
+    or (with forced tokens) the first rejected and replaced by one of ``guesses - 1`` others (``prefix_logits[n]``:
+    the drafter's logits for the token after forced[:n])."""
+    keys = [(len(forced), t) for t in guess_order(prefix_logits[len(forced)], guesses)]
+    if forced and guesses > 1:
+        keys += [(0, t) for t in guess_order(prefix_logits[0], guesses - 1, exclude=forced[0])]
+    return keys
+
+
+def check_accept(proposal: list[int], n_matches: int) -> list[int]:
+    """The accepted prefix of a session's last proposal (a verdict's ``n_matches`` checked against it)."""
+    if not 0 <= n_matches <= len(proposal):
+        raise InvalidRequestError(f"accepted {n_matches} tokens of a proposal of {len(proposal)}")
+    return proposal[:n_matches]
+
+
+def drive(steps, answer):
+    """Run a session's drafting steps alone (a generator, as ``DraftSession``'s): send each request it yields
+    ``answer(request)``; return its result, the ``DraftProposal``."""
+    try:
+        request = next(steps)
+        while True:
+            request = steps.send(answer(request))
+    except StopIteration as done:
+        return done.value
 
 
 class DraftSession(Protocol):

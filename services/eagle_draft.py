@@ -25,7 +25,9 @@ from pathlib import Path
 import torch
 
 from services.draft_vocab import scatter_kept
-from services.drafters import DRAFT_STREAM, EAGLE_DRAFTER, DrafterKind, register
+from services.drafters import (
+    DRAFT_STREAM, EAGLE_DRAFTER, Branch, DraftProposal, DrafterKind, branch_keys, check_accept, register,
+)
 from services.errors import InvalidRequestError
 from services.loading import HeadParts, LoadedModel
 from services.models import eagle
@@ -109,8 +111,6 @@ class EagleDraftSession:
         """``propose`` as a generator: it yields the head's ``Rows`` and is sent their logits, so that a draft
         engine can run several sessions' steps in one pass (eagle.run_rows); its return value is the proposal.
         ``width`` > 1 (greedy): a draft tree, the chain and the first depth's next ``width - 1`` ids (services.tree)."""
-        from services.draft import DraftProposal
-
         yield from self._catch_up()
         logits = self.next_logits
         self.state.chain_len, self.state.g = 0, self.context_g  # a new chain from the accepted context
@@ -126,8 +126,6 @@ class EagleDraftSession:
 
     def pre_draft_steps(self, k: int, forced: Sequence[int], guesses: int):
         """A block of k after each likely verdict on ``forced``: the chain forks at the branch point's row and feature."""
-        from services.draft import Branch, DraftProposal, branch_keys
-
         yield from self._catch_up()
         kept, state = self.head.kept_ids, self.state
         state.chain_len, state.g = 0, self.context_g
@@ -166,9 +164,7 @@ class EagleDraftSession:
 
         Only bookkeeping: the head reads the new positions at the next ``propose`` (steps without drafting cost nothing).
         """
-        from services.draft import _check_accept
-
-        self.tokens += _check_accept(self.proposal, n_matches) + [int(next_token)]
+        self.tokens += check_accept(self.proposal, n_matches) + [int(next_token)]
         self.proposal = []
         if features is not None:
             if features.shape[0] != n_matches + 1:

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from services.hf_runner import ModelRunner
 from services.loading import DeviceUnavailableError, check_device, wrap_model
 from services.models.tiny import tiny_pair
-from services.runner import ModelRunner
 from splitspec.checks import gpu as gpu_check
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -35,6 +35,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from services import kernels
+from services.drafters import drive
 from services.kv import new_buffer
 
 logger = logging.getLogger(__name__)
@@ -517,16 +518,6 @@ def _run_group(batch: list[Rows]) -> list[torch.Tensor]:
 def run_alone(steps):
     """Drive a generator of ``Rows`` (a session's drafting, services.eagle_draft) one pass at a time; its result."""
     return drive(steps, lambda rows: run_rows([rows])[0])
-
-
-def drive(steps, answer):
-    """Run a drafting generator alone: send each request it yields ``answer(request)``; return its result."""
-    try:
-        request = next(steps)
-        while True:
-            request = steps.send(answer(request))
-    except StopIteration as done:
-        return done.value
 
 
 class HeadSession:

@@ -140,7 +140,7 @@ def _block_logits(runner, splits: list[int]) -> torch.Tensor:  # [len(BLOCK), V]
 
 def _batch_invariance(device) -> str:
     from services.batch_invariant import BatchInvariantRunner
-    from services.runner import ModelRunner
+    from services.hf_runner import ModelRunner
     from services.verify import VerifyEngine
 
     found = []

@@ -10,11 +10,12 @@ import torch
 from services import fast_llama, kernels
 from services.batch_invariant import PASS_ROWS, BatchInvariantRunner, StaticKVCache
 from services.errors import InvalidRequestError
+from services.hf_runner import ModelRunner
 from services.loading import wrap_model
 from services.loop import generate
 from services.models.tiny import tiny_pair
 from services.prefill import PrefillEngine
-from services.runner import ModelRunner, make_runner
+from services.runner import make_runner
 from services.sampling import SamplingParams
 from services.verify import VerifyCall, VerifyEngine
 from tests.conftest import greedy_reference

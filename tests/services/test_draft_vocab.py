@@ -8,11 +8,12 @@ import torch
 from services import draft_vocab
 from services.draft import DraftEngine
 from services.draft_vocab import FULL_VOCAB, DraftVocab, count_frequencies, rank_ids, scatter_kept
+from services.hf_runner import ModelRunner
 from services.loading import load_causal_lm
 from services.loop import generate
 from services.models.tiny import TINY_VOCAB_SIZE
 from services.prefill import PrefillEngine
-from services.runner import ModelRunner, make_runner
+from services.runner import make_runner
 from services.sampling import SamplingParams
 from services.verify import VerifyEngine
 from tests.conftest import greedy_reference

@@ -5,10 +5,11 @@ import torch
 
 from services.draft import DraftEngine
 from services.errors import InvalidRequestError, ModelMismatchError, SessionNotFoundError
+from services.hf_runner import ModelRunner
 from services.loading import check_pair
 from services.loop import FINISH_LENGTH, generate, speculative_decode
 from services.models.tiny import tiny_pair
-from services.runner import ModelRunner, make_runner
+from services.runner import make_runner
 from services.sampling import SamplingParams
 from services.verify import VerifyEngine
 from tests.conftest import greedy_reference

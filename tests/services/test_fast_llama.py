@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from services.fast_llama import FastLlamaRunner, supports
-from services.runner import ModelRunner, cache_kwarg, make_runner
+from services.hf_runner import ModelRunner, cache_kwarg
+from services.runner import make_runner
 
 
 def test_tiny_pair_takes_the_fast_path(tiny):

@@ -4,8 +4,7 @@ It proposes the last token again, k times (one-hot q: exact for sampled requests
 module in ``models.drafter_modules`` (tests/serving/test_colocated.py).
 """
 
-from services.draft import DraftProposal
-from services.drafters import DrafterKind, register
+from services.drafters import DraftProposal, DrafterKind, register
 
 REPEAT_DRAFTER = "repeat"
 
