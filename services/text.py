@@ -34,6 +34,12 @@ def encode_prompt(tokenizer, prompt: str, messages: Sequence[tuple[str, str]]) -
     return [int(t) for t in tokenizer(prompt)["input_ids"]]
 
 
+def chat_ids(tokenizer, prompt: str) -> list[int]:
+    """Token ids of one user message under the chat template (``encode_prompt`` without its checks)."""
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
 def validate_stop(stop: Sequence[str], max_chars: int | None = None) -> list[str]:
     stop = list(stop)
     if len(stop) > MAX_STOP_SEQUENCES:

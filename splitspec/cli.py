@@ -30,7 +30,13 @@ def _load_pair(args):
 def cmd_models_prepare(args) -> int:
     from services.models import default_pair
 
-    target, drafter = default_pair.prepare(wheel=args.wheel, retrain=args.retrain, export=args.export)
+    target = default_pair.prepare_target(wheel=args.wheel)
+    if args.retrain:
+        from services.training import distill
+
+        drafter = distill.retrain_drafter(export=args.export)
+    else:
+        drafter = default_pair.prepare_drafter()
     print(f"target:  {target}\ndrafter: {drafter}")
     return 0
 
@@ -118,9 +124,9 @@ def cmd_generate_local(args) -> int:
     from services.eagle_draft import installed_head
     from services.loop import SpeculationStats, speculative_decode
     from services.policy import DEFAULT_MAX_DRAFT_TOKENS, AdaptiveK, CostModel
-    from services.models.distill import chat_ids
     from services.prefill import PrefillEngine
     from services.sampling import SamplingParams
+    from services.text import chat_ids
     from services.verify import VerifyEngine
     from deployments.config import Limits
 

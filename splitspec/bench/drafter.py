@@ -36,10 +36,10 @@ from services.drafters import EAGLE_DRAFTER, MODEL_DRAFTER
 from services.eagle_draft import installed_head
 from services.loading import LoadedModel
 from services.loop import GenerationResult, SpeculationStats, generate
-from services.models.distill import chat_ids
 from services.models.prompts import held_out_prompts
 from services.prefill import PrefillEngine
 from services.sampling import SamplingParams
+from services.text import chat_ids
 from services.verify import VerifyEngine
 from splitspec.bench.engine import (
     Arm, StepCosts, TimedDraft, TimedVerify, _draft_vocab_size, _timed, _traced_generate, ideal_seconds,

@@ -24,11 +24,11 @@ from services.drafters import EAGLE_DRAFTER, MODEL_DRAFTER, PROMPT_LOOKUP_DRAFTE
 from services.eagle_draft import installed_head
 from services.loading import LoadedModel
 from services.loop import GenerationResult, SpeculationStats, generate, speculative_decode
-from services.models.distill import chat_ids
 from services.models.prompts import held_out_prompts
 from services.policy import AcceptanceCounts, AdaptiveK, CostModel
 from services.prefill import PrefillEngine
 from services.sampling import SamplingParams
+from services.text import chat_ids
 from services.verify import VerifyEngine
 
 logger = logging.getLogger(__name__)

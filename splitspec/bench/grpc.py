@@ -24,7 +24,7 @@ import time
 
 import grpc
 
-from services.models.prompts import held_out_prompts
+from services.models.prompts import everyday_prompts, held_out_prompts
 from splitspec.api.client import SpecDecodeClient
 
 POLICIES = {
@@ -48,12 +48,10 @@ CHECK_POLICIES = ["server default"]  # what ``--check`` holds to speculation off
 
 
 def labelled_prompts(prompt_set: str) -> list[tuple[str, str]]:
-    """(category, prompt): the drafter's held-out prompts (services.models.prompts), everyday assistant requests
-    (prompt_bank), or Spec-Bench's first turns (services.models.specbench), dealt over its six categories so that
-    any first n are spread evenly over them."""
+    """(category, prompt): the drafter's held-out prompts or everyday assistant requests (services.models.prompts),
+    or Spec-Bench's first turns (services.models.specbench), dealt over its six categories so that any first n are
+    spread evenly over them."""
     if prompt_set == "everyday":
-        from services.models.prompt_bank import everyday_prompts
-
         return list(everyday_prompts())
     if prompt_set == "specbench":
         from services.models import specbench

@@ -282,8 +282,8 @@ def _speed(device, dtype: str, pair: str) -> str:
     from services.loading import load_causal_lm
     from services.loop import generate
     from services.models import default_pair
-    from services.models.distill import chat_ids
     from services.sampling import SamplingParams
+    from services.text import chat_ids
 
     dtype = dtype or ("bfloat16" if device.type == "cuda" else "float32")
     target_dir, draft_dir = default_pair.target_dir(), default_pair.drafter_dir()

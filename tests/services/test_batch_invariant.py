@@ -150,7 +150,7 @@ def test_default_pair_in_bfloat16_keeps_the_token_that_moved():
     from services.draft import DraftEngine
     from services.loading import load_causal_lm
     from services.models import default_pair as dp
-    from services.models.distill import chat_ids
+    from services.text import chat_ids
 
     target = load_causal_lm(dp.target_dir(), dtype="bfloat16")
     prefill, draft = PrefillEngine(target), DraftEngine(load_causal_lm(dp.drafter_dir(), dtype="bfloat16"))

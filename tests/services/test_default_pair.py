@@ -5,10 +5,10 @@ import pytest
 from services.draft import DraftEngine
 from services.eagle_draft import installed_head
 from services.loop import generate
-from services.models.distill import chat_ids
 from services.models.prompts import held_out_prompts
 from services.prefill import PrefillEngine
 from services.sampling import SamplingParams
+from services.text import chat_ids
 from services.verify import VerifyEngine
 from tests.conftest import greedy_reference
 

@@ -3,7 +3,7 @@
 import hashlib
 import json
 
-from services.models import distill
+from services.training import distill
 
 
 def test_template_recipe_keeps_its_data_key():

@@ -7,7 +7,7 @@ import torch
 
 from services import draft_vocab
 from services.draft import DraftEngine
-from services.draft_vocab import FULL_VOCAB, DraftVocab, count_frequencies, rank_ids, scatter_kept
+from services.draft_vocab import FULL_VOCAB, DraftVocab, scatter_kept
 from services.hf_runner import ModelRunner
 from services.loading import load_causal_lm
 from services.loop import generate
@@ -15,6 +15,7 @@ from services.models.tiny import TINY_VOCAB_SIZE
 from services.prefill import PrefillEngine
 from services.runner import make_runner
 from services.sampling import SamplingParams
+from services.training.vocab import count_frequencies, rank_ids
 from services.verify import VerifyEngine
 from tests.conftest import greedy_reference
 from tests.services.test_engine import NEW_TOKENS, PROMPTS

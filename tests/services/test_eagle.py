@@ -6,6 +6,7 @@ from transformers import LlamaForCausalLM
 
 from services.models import eagle
 from services.models.tiny import tiny_config
+from services.training import acceptance, eagle_train
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +29,7 @@ def tiny_rows():
 
 def _head(target, rows, feature, vocab=48):
     cfg = eagle.EagleConfig(feature=feature, draft_vocab=vocab, batch_size=2, warmup_steps=1)
-    head = eagle.EagleHead(target, cfg, eagle.kept_vocabulary(rows, vocab, 96), rows[0][feature].shape[-1])
+    head = eagle.EagleHead(target, cfg, eagle_train.kept_vocabulary(rows, vocab, 96), rows[0][feature].shape[-1])
     torch.manual_seed(1)
     with torch.no_grad():
         for p in head.parameters():
@@ -41,7 +42,7 @@ def test_session_equals_batched_chain(tiny_rows, feature):
     """HeadSession (KV cache, one token at a time) drafts what chain() drafts from every start row."""
     target, rows = tiny_rows
     head, row = _head(target, rows, feature), rows[1]
-    drafts = eagle.eagle_drafts(head, row, 4)  # [4, n - 1]
+    drafts = acceptance.eagle_drafts(head, row, 4)  # [4, n - 1]
     for t in (8, 15, 20):
         session = eagle.HeadSession(head)
         chain = [session.extend(row[feature][: t + 1], row["ids"][1 : t + 2])] + [session.draft_one() for _ in range(3)]
@@ -53,14 +54,14 @@ def test_chain_is_causal(tiny_rows):
     target, rows = tiny_rows
     head, row = _head(target, rows, "final"), rows[3]
     cut = dict(row, ids=row["ids"][:20], final=row["final"][:19])
-    assert torch.equal(eagle.eagle_drafts(head, row, 3)[:, :19], eagle.eagle_drafts(head, cut, 3))
+    assert torch.equal(acceptance.eagle_drafts(head, row, 3)[:, :19], acceptance.eagle_drafts(head, cut, 3))
 
 
 def test_drafts_only_kept_ids(tiny_rows):
     """A pruned head proposes only ids of its kept vocabulary."""
     target, rows = tiny_rows
     head = _head(target, rows, "final", vocab=16)
-    drafts = eagle.eagle_drafts(head, rows[0], 3)
+    drafts = acceptance.eagle_drafts(head, rows[0], 3)
     assert set(drafts.flatten().tolist()) <= set(head.kept_ids.tolist())
 
 
@@ -70,9 +71,9 @@ def test_walk_counts_accepted_prefixes():
     drafts = torch.full((2, 7), -1)
     drafts[:, 1] = torch.tensor([3, 4])  # from context ..x2: both right -> t moves to 4
     drafts[:, 4] = torch.tensor([6, 9])  # from context ..x5: one right -> t moves to 6 (no token left to draft)
-    assert eagle.walk(ids, 2, drafts, 2) == [(2, 2), (1, 2)]
-    assert eagle.summarize([(2, 2), (1, 2)], 2)["acceptance_by_position"] == [1.0, 0.5]
-    assert eagle.summarize([(2, 2), (0, 1)], 2)["acceptance_rate"] == round(2 / 3, 4)
+    assert acceptance.walk(ids, 2, drafts, 2) == [(2, 2), (1, 2)]
+    assert acceptance.summarize([(2, 2), (1, 2)], 2)["acceptance_by_position"] == [1.0, 0.5]
+    assert acceptance.summarize([(2, 2), (0, 1)], 2)["acceptance_rate"] == round(2 / 3, 4)
 
 
 def test_target_drafting_for_itself_is_always_accepted(tiny_rows):
@@ -82,7 +83,7 @@ def test_target_drafting_for_itself_is_always_accepted(tiny_rows):
     with torch.no_grad():
         ids = target.generate(prompt[None], max_new_tokens=12, do_sample=False, pad_token_id=0)[0]
     row = {"ids": ids, "prompt_len": 8}
-    result = eagle.acceptance(lambda r, s: eagle.model_drafts(target, r, s), [row], ks=(1, 3, 4))
+    result = acceptance.acceptance(lambda r, s: acceptance.model_drafts(target, r, s), [row], ks=(1, 3, 4))
     assert [result[k]["acceptance_rate"] for k in ("k1", "k3", "k4")] == [1.0, 1.0, 1.0]
 
 
@@ -90,8 +91,8 @@ def test_training_lowers_the_loss(tiny_rows):
     """A few optimiser steps of chained training reduce the loss."""
     target, rows = tiny_rows
     cfg = eagle.EagleConfig(draft_vocab=48, batch_size=4, epochs=6, warmup_steps=1, lr=3e-3)
-    head = eagle.EagleHead(target, cfg, eagle.kept_vocabulary(rows, 48, 96), 64)
-    log = eagle.train(head, rows, cfg, top_k=8)
+    head = eagle.EagleHead(target, cfg, eagle_train.kept_vocabulary(rows, 48, 96), 64)
+    log = eagle_train.train(head, rows, cfg, top_k=8)
     assert log[-1]["loss"] < log[0]["loss"]
 
 

@@ -174,7 +174,7 @@ def test_a_head_for_another_target_is_refused(tiny, tmp_path):
     """The installed report names the target; loading the head for another target fails with that reason."""
     import json
 
-    from services.models.eagle_recipe import save_head
+    from services.training.eagle_recipe import save_head
 
     target, _ = tiny
     head = eagle.EagleHead(target.model, eagle.EagleConfig(draft_vocab=KEPT), torch.arange(KEPT), target.config.hidden_size)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from services.models import prompt_bank
+from services.training import prompt_bank
 
 
 def test_held_out_subjects_never_in_training():

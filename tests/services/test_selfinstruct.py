@@ -4,8 +4,8 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from services.models import selfinstruct as si
 from services.models.tiny import TINY_EOS, tiny_config
+from services.training import selfinstruct as si
 
 
 class _Tok:

@@ -29,8 +29,9 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from services.models import prompt_bank
-from services.models.distill import answer_length, left_padded, pad_and_eos
+from services.models.prompts import everyday_prompts
+from services.training import prompt_bank
+from services.training.answers import answer_length, left_padded, pad_and_eos
 
 logger = logging.getLogger(__name__)
 
@@ -314,7 +315,7 @@ def build_eval(model, tokenizer, cfg: DataConfig, cache_dir: Path, max_new_token
         return torch.load(path)
     cache_dir.mkdir(parents=True, exist_ok=True)
     out = {}
-    for name, pairs in (("held_out", prompt_bank.held_out_prompts(cfg.seed)), ("everyday", prompt_bank.everyday_prompts())):
+    for name, pairs in (("held_out", prompt_bank.held_out_prompts(cfg.seed)), ("everyday", everyday_prompts())):
         rows = answer_all(model, tokenizer, [_user(p) for _, p in pairs], cfg, name, max_new_tokens=max_new_tokens)
         for row, (kind, _) in zip(rows, pairs):
             row["kind"] = kind
@@ -338,7 +339,7 @@ def to_distill_data(rows: list[dict]) -> dict:
 
 
 def main(argv=None):
-    """``python -m services.models.selfinstruct --max-seconds 2700``: eval sets, then training shards (resumable)."""
+    """``python -m services.training.selfinstruct --max-seconds 2700``: eval sets, then training shards (resumable)."""
     import argparse
 
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -8,6 +8,8 @@ Recipe (seeded, reproducible):
    norm and its (tied, frozen) embeddings / LM head — is trained to minimise
    cross-entropy to the renormalised teacher top-K (forward KL up to a constant).
 Generated data is cached, so changing the training recipe does not regenerate it.
+``retrain_drafter`` runs it for the default pair and installs the drafter
+(``splitspec models prepare --retrain``).
 """
 
 from __future__ import annotations
@@ -21,10 +23,18 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 from transformers import LlamaForCausalLM
 
-from services.models.prompts import held_out_prompts, train_prompts
+from services import draft_vocab
+from services.models import default_pair
+from services.models.default_pair import trainable_state, truncated_student
+from services.models.prompts import held_out_prompts
+from services.text import chat_ids
+from services.training import selfinstruct, vocab
+from services.training.answers import answer_length, left_padded, pad_and_eos
+from services.training.prompts import train_prompts
 
 logger = logging.getLogger(__name__)
 HELD_OUT_TOKENS = 64  # answer length of held-out evaluation sequences
@@ -55,31 +65,6 @@ class DistillConfig:
         if self.data != TEMPLATE_DATA:  # the template recipe keeps its cache key
             fields += (self.data, self.max_shards)
         return hashlib.sha256(json.dumps(fields).encode()).hexdigest()[:12]
-
-
-def chat_ids(tokenizer, prompt: str) -> list[int]:
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True)
-    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-
-
-def pad_and_eos(model, tokenizer) -> tuple[int, set[int]]:
-    """The pad id for batched ``generate`` and the set of EOS ids that end an answer."""
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    eos = model.generation_config.eos_token_id
-    return pad, set(eos) if isinstance(eos, (list, tuple)) else {eos}
-
-
-def left_padded(batch: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``input_ids`` and ``attention_mask`` [B, width] of a batch of prompts, left padded to the longest."""
-    width = max(map(len, batch))
-    input_ids = torch.tensor([[pad] * (width - len(b)) + b for b in batch])  # [B, width]
-    attention = torch.tensor([[0] * (width - len(b)) + [1] * len(b) for b in batch])  # [B, width]
-    return input_ids, attention
-
-
-def answer_length(answer: list[int], eos: set[int]) -> int:
-    """Tokens of a generated answer up to and including its first EOS (all of it if none)."""
-    return next((i + 1 for i, t in enumerate(answer) if t in eos), len(answer))
 
 
 @torch.inference_mode()
@@ -113,30 +98,6 @@ def generate_teacher_data(target, tokenizer, cfg: DistillConfig, prompts: list[s
             data["top_idx"].append(indices[b, :end].int())
             data["top_logp"].append(values[b, :end].half())
     return data
-
-
-def truncated_student(target, num_layers: int) -> LlamaForCausalLM:
-    """The target's first ``num_layers`` layers + final norm + tied embeddings/head."""
-    config = target.config.__class__.from_dict(target.config.to_dict())
-    config.num_hidden_layers = num_layers
-    if hasattr(config, "layer_types") and config.layer_types:
-        config.layer_types = config.layer_types[:num_layers]
-    student = LlamaForCausalLM(config).float()
-    state = {k: v for k, v in target.state_dict().items() if not k.startswith("model.layers.")}
-    state.update({k: v for k, v in target.state_dict().items() if _layer_index(k) is not None and _layer_index(k) < num_layers})
-    student.load_state_dict(state, strict=False)
-    student.tie_weights()
-    return student
-
-
-def _layer_index(key: str) -> int | None:
-    parts = key.split(".")
-    return int(parts[2]) if key.startswith("model.layers.") else None
-
-
-def trainable_state(student) -> dict[str, torch.Tensor]:
-    """What differs from the target: the decoder layers and the final norm."""
-    return {k: v for k, v in student.state_dict().items() if k.startswith("model.layers.") or k == "model.norm.weight"}
 
 
 def _batches(data: dict, batch_size: int, generator: torch.Generator):
@@ -234,11 +195,7 @@ def greedy_agreement(student, held_out: dict) -> float:
 
 def shipped_state() -> dict[str, torch.Tensor]:
     """The shipped drafter's trained layers and norm (float32)."""
-    from safetensors.torch import load_file
-
-    from services.models.default_pair import SHIPPED_DRAFTER
-
-    return {k: v.float() for k, v in load_file(SHIPPED_DRAFTER).items()}
+    return {k: v.float() for k, v in load_file(default_pair.SHIPPED_DRAFTER).items()}
 
 
 def _cached(path: Path, make):
@@ -256,8 +213,6 @@ def run(target, tokenizer, cfg: DistillConfig, cache_dir: Path) -> tuple[LlamaFo
     cache_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     if cfg.data == SELFINSTRUCT_DATA:  # generated (and cached) by selfinstruct.build; never regenerated here
-        from services.models import selfinstruct
-
         rows = selfinstruct.load(cache_dir.parent / "selfinstruct", selfinstruct.DataConfig(), max_shards=cfg.max_shards)["rows"]
         if not rows:
             raise FileNotFoundError("no self-instruct shards: run selfinstruct.build first")
@@ -284,3 +239,30 @@ def run(target, tokenizer, cfg: DistillConfig, cache_dir: Path) -> tuple[LlamaFo
     }
     logger.info("drafter distilled: %s", report)
     return student, report
+
+
+def retrain_drafter(*, config: DistillConfig | None = None, export: bool = False) -> Path:
+    """Distil the default drafter anew and install it (``splitspec models prepare --retrain``, about 30 minutes).
+
+    Without ``export`` the drafter folder is marked retrained, so later ``prepare`` runs keep it. With ``export``
+    the shipped draft vocabulary, weights (bf16) and report are re-made, and the drafter installed is the one built
+    from the shipped weights, as everyone's is.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tpath = default_pair.prepare_target()
+    target = AutoModelForCausalLM.from_pretrained(tpath, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(tpath)
+    if export:  # the ranking depends on the target only; re-made with the shipped weights
+        default_pair.SHIPPED_WEIGHTS.mkdir(exist_ok=True)
+        draft_vocab.save(vocab.build(target, tokenizer), default_pair.SHIPPED_DRAFT_VOCAB)
+    config = config or DistillConfig()
+    student, report = run(target, tokenizer, config, default_pair.home() / "distill")
+    if not export:
+        report["source"] = "retrained"  # kept by later `prepare` runs; --export ships it
+        return default_pair.install_drafter(student, tokenizer, report)
+    state = {k: v.to(torch.bfloat16).contiguous() for k, v in trainable_state(student).items()}
+    save_file(state, default_pair.SHIPPED_DRAFTER, metadata={"num_layers": str(config.num_layers)})
+    default_pair.SHIPPED_REPORT.write_text(json.dumps(report, indent=2) + "\n")
+    report = json.loads(default_pair.SHIPPED_REPORT.read_text())
+    return default_pair.install_drafter(default_pair.shipped_drafter(target, config.num_layers), tokenizer, report)

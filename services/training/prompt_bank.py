@@ -5,9 +5,9 @@ explanations, lists, writing (emails, stories, poems), rewriting, Q&A,
 comparisons and advice. Summaries, rewrites of longer text and multi-turn
 chats need a passage or a first answer; ``selfinstruct`` builds those from
 the target's own answers. Every kind has training subjects and held-out
-subjects that never appear in training (``check_disjoint`` proves it); the
-"everyday" set is hand-written requests of the kinds where the first drafter
-did worst (emails, explanations, stories, summaries, SQL, pandas).
+subjects that never appear in training (``check_disjoint`` proves it). The
+sets the drafters are measured on, held-out and everyday, are runtime's:
+services.models.prompts.
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from services.models import prompts as base
+from services.models import prompts as measured
+from services.training import prompts as base
 
 
 @dataclass(frozen=True)
@@ -42,12 +43,12 @@ CODE_TASKS = base.CODE_TASKS + [
     "computes the nth triangular number", "zips two lists into a dictionary", "groups words by their first letter",
     "checks whether a string contains only digits", "converts hours and minutes to seconds",
 ]
-HELD_OUT_CODE = base.HELD_OUT_CODE_TASKS + [
+HELD_OUT_CODE = measured.HELD_OUT_CODE_TASKS + [
     "computes the Jaccard similarity of two sets", "implements a min-heap", "finds the longest increasing subsequence",
     "converts snake_case to camelCase",
 ]
 LANGUAGES = ["Python", "Python", "Python", "JavaScript", "TypeScript", "C", "C++", "Java", "Go", "Rust", "Bash"]
-CODE = Kind("code", base.CODE_TEMPLATES + [
+CODE = Kind("code", measured.CODE_TEMPLATES + [
     "Write a {lang} function that {s}. Keep it short.",
     "Show me how to write code that {s} in {lang}, then explain the time complexity.",
     "Write a {lang} snippet that {s}, with example input and output.",
@@ -98,8 +99,8 @@ TOPICS = base.TOPICS + [
     "the Silk Road", "the Amazon rainforest", "coral reefs", "deserts", "migration of birds", "honey",
     "bread baking", "fermentation", "the metric system", "probability", "statistics", "calculus", "prime numbers",
 ]
-HELD_OUT_TOPICS = base.HELD_OUT_TOPICS + ["volcanic islands", "jazz", "the Byzantine Empire", "tea ceremonies"]
-EXPLAIN = Kind("explain", base.TOPIC_TEMPLATES + [
+HELD_OUT_TOPICS = measured.HELD_OUT_TOPICS + ["volcanic islands", "jazz", "the Byzantine Empire", "tea ceremonies"]
+EXPLAIN = Kind("explain", measured.TOPIC_TEMPLATES + [
     "How does {s} work?",
     "Can you explain {s} step by step?",
     "I don't understand {s}. Can you help?",
@@ -210,25 +211,6 @@ COMPARE = Kind("compare", [
 
 KINDS = [CODE, SQL, PANDAS, EXPLAIN, LISTS, EMAIL, STORY, REWRITE, QA, COMPARE]
 
-EVERYDAY = [
-    "Write an email to my team saying the office will be closed on Friday for maintenance.",
-    "Write a short thank-you note to my aunt for the birthday present, a wool scarf.",
-    "Explain how a refrigerator keeps food cold.",
-    "Explain what an index fund is and why people recommend it.",
-    "Write a short story about a mailman who delivers letters to the moon.",
-    "Tell me a story about a lost umbrella that travels around the world.",
-    "Summarize the plot of Romeo and Juliet in three sentences.",
-    "Summarize this: The city council voted on Tuesday to expand the bike lane network by 40 kilometres over the next "
-    "three years. Supporters say it will reduce traffic and pollution, while some shop owners worry about losing parking.",
-    "Write a SQL query that returns the total amount spent by each customer in 2023, highest first.",
-    "Write a SQL query to find all orders that have no matching shipment.",
-    "How do I read an Excel file with pandas and keep only the rows where the status column is 'open'?",
-    "In pandas, how do I count how many times each value appears in the 'city' column and plot it as a bar chart?",
-    "Give me a packing list for a weekend trip to the mountains.",
-    "Rewrite this to sound friendlier: Your request has been denied due to policy.",
-    "What should I cook for dinner tonight with eggs, spinach and cheese?",
-    "Write a Python script that renames all .txt files in a folder to .md.",
-]
 
 
 def _cross(kind: Kind, subjects: list[str], rng: random.Random, per_subject: int) -> list[str]:
@@ -253,10 +235,6 @@ def held_out_prompts(seed: int = 0) -> list[tuple[str, str]]:
     """(kind, prompt) pairs on held-out subjects: two templates per subject."""
     rng = random.Random(seed + 1)
     return [(kind.name, p) for kind in KINDS for p in _cross(kind, kind.held_out, rng, 2)]
-
-
-def everyday_prompts() -> list[tuple[str, str]]:
-    return [("everyday", p) for p in EVERYDAY]
 
 
 def held_out_subjects() -> list[str]:

@@ -2,10 +2,10 @@
 
 One seeded pass of ``distill.distil`` over the self-instruct shards (the
 target's greedy answers and top-K), measuring greedy acceptance by draft
-position on the held-out and everyday sets (``eagle.acceptance``, the same
+position on the held-out and everyday sets (``acceptance.acceptance``, the same
 walk as the EAGLE head) every ``--eval-every`` optimiser steps:
 
-    python -m services.models.drafter_curve --init target --epochs 1 --eval-every 100
+    python -m services.training.drafter_curve --init target --epochs 1 --eval-every 100
 """
 
 from __future__ import annotations
@@ -19,8 +19,9 @@ from pathlib import Path
 
 import torch
 
-from services.models import distill, eagle, selfinstruct
-from services.models.default_pair import home
+from services.models.default_pair import home, truncated_student
+from services.training import distill, selfinstruct
+from services.training.acceptance import acceptance, model_drafts
 
 
 def main(argv=None):
@@ -48,13 +49,13 @@ def main(argv=None):
     data = selfinstruct.to_distill_data(loaded["rows"])
     sets = selfinstruct.build_eval(target, tokenizer, data_cfg, home() / "selfinstruct")
     tokens_per_step = sum(int(m.sum()) for m in data["masks"]) / len(data["masks"]) * cfg.batch_size
-    student = distill.truncated_student(target, cfg.num_layers)
+    student = truncated_student(target, cfg.num_layers)
     if cfg.init == "shipped":
         student.load_state_dict(distill.shipped_state(), strict=False)
     points = []
 
     def measure(step, model):
-        result = {name: {k: v for k, v in eagle.acceptance(lambda r, s: eagle.model_drafts(model, r, s), rows, ks=(1, 3)).items()}
+        result = {name: {k: v for k, v in acceptance(lambda r, s: model_drafts(model, r, s), rows, ks=(1, 3)).items()}
                   for name, rows in sets.items()}
         points.append({"step": step, "answer_tokens_seen": round(step * tokens_per_step), "acceptance": result})
         logging.info("step %d (~%d tokens seen): held-out k3 %s, everyday k3 %s", step, points[-1]["answer_tokens_seen"],

@@ -5,7 +5,7 @@ along the target's own greedy answers, teacher-forced target features for
 the accepted context) on the held-out and everyday sets, and the cost of one
 draft token against one target decode step, both at 1 thread in the same run.
 
-    python -m services.models.eagle_recipe --feature final --train-seconds 1800
+    python -m services.training.eagle_recipe --feature final --train-seconds 1800
 """
 
 from __future__ import annotations
@@ -21,11 +21,13 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from services.models import eagle, selfinstruct
-from services.models.default_pair import drafter_dir, home, target_dir
+from services.models import eagle
+from services.models.default_pair import SHIPPED_EAGLE, drafter_dir, home, target_dir
+from services.training import eagle_train, selfinstruct
+from services.training.acceptance import acceptance, eagle_drafts, model_drafts
 
 logger = logging.getLogger(__name__)
-WEIGHTS_DIR = Path(__file__).parent / "eagle_weights"
+WEIGHTS_DIR = SHIPPED_EAGLE.parent  # services/models/eagle_weights
 COST_CONTEXT = 160  # context length at which one draft token and one target step are timed
 COST_REPEATS = 41  # timing repeats (median)
 
@@ -42,7 +44,7 @@ def eval_sets(target, tokenizer, data_cfg: selfinstruct.DataConfig) -> dict:
 
 
 def evaluate(drafts_fn, sets: dict) -> dict:
-    return {name: eagle.acceptance(drafts_fn, rows) for name, rows in sets.items()}
+    return {name: acceptance(drafts_fn, rows) for name, rows in sets.items()}
 
 
 def coverage(kept_ids: torch.Tensor, rows: list[dict]) -> float:
@@ -82,7 +84,7 @@ def measure_costs(head: eagle.EagleHead | None, row: dict) -> dict:
         out[name] = _median_time(step)
     if head is not None:
         session = eagle.HeadSession(head)
-        session.extend(eagle.feature_of(row, head.cfg.feature)[: len(ctx)], row["ids"][1 : len(ctx) + 1])
+        session.extend(eagle_train.feature_of(row, head.cfg.feature)[: len(ctx)], row["ids"][1 : len(ctx) + 1])
 
         def draft_step():
             session.draft_one()
@@ -139,11 +141,11 @@ def main(argv=None):
         head.cfg = cfg
         head.train()
     else:
-        kept = eagle.kept_vocabulary(rows, cfg.draft_vocab, target.config.vocab_size)
+        kept = eagle_train.kept_vocabulary(rows, cfg.draft_vocab, target.config.vocab_size)
         head = eagle.EagleHead(target, cfg, kept, rows[0][cfg.feature].shape[-1])
     t0 = time.perf_counter()
     ckpt = home() / "selfinstruct" / f"eagle-{cfg.feature}-checkpoint.pt"
-    log = eagle.train(head, rows, cfg, data_cfg.teacher_top_k, max_seconds=args.train_seconds,
+    log = eagle_train.train(head, rows, cfg, data_cfg.teacher_top_k, max_seconds=args.train_seconds,
                       checkpoint=lambda step: torch.save(head.trainable_state(), ckpt))
     train_s = time.perf_counter() - t0
     head.eval()
@@ -152,15 +154,15 @@ def main(argv=None):
         "data": data["report"], "train_seconds": round(train_s, 1),
         "steps": len(log), "final_loss": log[-1],
         "parameters": sum(p.numel() for p in head.parameters()),
-        "acceptance": evaluate(lambda r, s: eagle.eagle_drafts(head, r, s), sets),
+        "acceptance": evaluate(lambda r, s: eagle_drafts(head, r, s), sets),
         "kept_vocab_coverage": {name: round(coverage(head.kept_ids, rows), 4) for name, rows in sets.items()},
     }
     if args.compare_model:
         from transformers import AutoModelForCausalLM
 
         drafter = AutoModelForCausalLM.from_pretrained(drafter_dir(), dtype=torch.float32).eval()
-        report["model_drafter_acceptance"] = evaluate(lambda r, s: eagle.model_drafts(drafter, r, s), sets)
-        report["target_as_drafter_k3"] = evaluate(lambda r, s: eagle.model_drafts(target, r, s), {"held_out": sets["held_out"][:8]})
+        report["model_drafter_acceptance"] = evaluate(lambda r, s: model_drafts(drafter, r, s), sets)
+        report["target_as_drafter_k3"] = evaluate(lambda r, s: model_drafts(target, r, s), {"held_out": sets["held_out"][:8]})
     report["costs_ms"] = measure_costs(head, max(sets["held_out"], key=lambda r: len(r["ids"])))
     name = args.name or f"eagle-{cfg.feature}"
     path = save_head(head, report, name)
