@@ -7,8 +7,6 @@ For each answer, every drafter's chain of up to k tokens is compared with the to
 
 from __future__ import annotations
 
-import json
-from dataclasses import asdict
 
 import torch
 
@@ -81,7 +79,3 @@ def acceptance(drafts_fn, rows: list[dict], ks=(1, 2, 3, 4)) -> dict:
         for k in ks:
             per_k[k] += walk(r["ids"], r["prompt_len"], drafts, k)
     return {f"k{k}": summarize(v, k) for k, v in per_k.items()}
-
-
-def report_json(**parts) -> str:
-    return json.dumps(parts, indent=2, default=lambda o: asdict(o) if hasattr(o, "__dataclass_fields__") else str(o))
