@@ -455,7 +455,7 @@ def _load_layouts(args, prompts, levels, policies) -> int:
             print(f"  {layout:<14} {name:<15} " + ", ".join(f"c={c} {x:.2f}x" for c, x in per_c.items()))
     report = {"layouts": reports, "vs_colocated": vs,
               "greedy_identical": all(r["greedy_identical"] for r in reports.values())}
-    return _write_report(args, report)
+    return _write_report(args, report, bench_layouts.plot_load)
 
 
 def _load_run(args, prompts, levels, policies, config=None, apis=None) -> dict:

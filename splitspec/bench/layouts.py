@@ -107,3 +107,35 @@ def plot(report: dict, path: str) -> None:
     ax.legend()
     fig.tight_layout()
     fig.savefig(path)
+
+
+def plot_load(report: dict, path: str) -> None:
+    """``bench load --layouts``: output tok/s per policy and concurrency, one bar per layout, each labelled with its
+    ratio to colocated."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    layouts = list(report["layouts"])
+    first = report["layouts"][layouts[0]]["closed_loop"]
+    groups = [(policy, c) for policy, rows in first.items() for c in rows]
+    width = 0.8 / len(layouts)
+    fig, ax = plt.subplots(figsize=(max(6, 1.3 * len(groups)), 4))
+    for i, layout in enumerate(layouts):
+        rows = report["layouts"][layout]["closed_loop"]
+        xs = [j + i * width for j in range(len(groups))]
+        tok_s = [rows.get(p, {}).get(c, {}).get("output_throughput_tok_s", 0) for p, c in groups]
+        bars = ax.bar(xs, tok_s, width, label=layout)
+        for bar, (p, c) in zip(bars, groups):
+            ratio = report["vs_colocated"].get(layout, {}).get(p, {}).get(c)
+            if ratio is not None:
+                ax.annotate(f"{ratio:.2f}x", (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center",
+                            va="bottom", fontsize=8)
+    ax.set_xticks([j + width * (len(layouts) - 1) / 2 for j in range(len(groups))],
+                  [f"{p}\n{c} stream{'s' if c != '1' else ''}" for p, c in groups])
+    ax.set_ylabel("output tok/s (greedy)")
+    ax.set_title("layouts under load (ratio: vs the same policy and load, colocated)", fontsize=10)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
