@@ -66,7 +66,8 @@ def cmd_bench_drafter(args) -> int:
 
     target, draft = _load_pair(args)
     report = bench_drafter.run(target, draft, ks=[int(k) for k in args.ks.split(",")], num_prompts=args.prompts,
-                               max_new_tokens=args.max_new_tokens, draft_vocab_size=args.draft_vocab, drafter=args.drafter)
+                               max_new_tokens=args.max_new_tokens, draft_vocab_size=args.draft_vocab, drafter=args.drafter,
+                               prompt_set=args.prompt_set)
     print(f"\n{report['setup']['drafter']} drafter {report['setup']['draft']} (head keeps {report['setup']['draft_vocab_size']} ids): "
           f"t_draft_token {report['t_draft_token_ms']:.2f} ms, t_target_step {report['t_target_step_ms']:.2f} ms, "
           f"c = {report['draft_cost_ratio']:.3f}; ideal speedup {report['best_ideal_speedup_sequential']:.2f}x sequential, "
@@ -626,7 +627,9 @@ def build_parser() -> argparse.ArgumentParser:
     drafter = bench.add_parser("drafter", help="drafter acceptance by position and cost ratio c on the run's own steps")
     _model_args(drafter)
     drafter.add_argument("--ks", default="1,2,3,4,5,6", help="draft lengths to run, comma separated")
-    drafter.add_argument("--prompts", type=int, default=8, help="held-out prompts")
+    drafter.add_argument("--prompts", type=int, default=8, help="how many of the prompt set (0: all of it)")
+    drafter.add_argument("--prompt-set", choices=PROMPT_SETS, default="held_out",
+                         help="held-out prompts, everyday requests, or Spec-Bench's first turns (figures per category)")
     drafter.add_argument("--max-new-tokens", type=int, default=64)
     drafter.add_argument("--draft-vocab", type=int, default=None,
                          help="ids the drafter's LM head keeps (default: the drafter's shipped size; 0 = full vocabulary)")

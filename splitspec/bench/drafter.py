@@ -1,6 +1,7 @@
 """`splitspec bench drafter`: how often the drafter is right, and what it costs, on the run's own steps.
 
-Greedy, held-out prompts, in one process (run it with one torch thread). The
+Greedy, held-out prompts (``--prompt-set``: or everyday requests, or Spec-Bench's first turns, with the figures per
+category too), in one process (run it with one torch thread). The
 target first answers every prompt alone (speculation off): that gives the
 reference output and t_target_step, the median of its one-token passes. Then
 the sequential loop runs every prompt for each k, with every proposal and
@@ -36,7 +37,6 @@ from services.drafters import EAGLE_DRAFTER, MODEL_DRAFTER
 from services.eagle_draft import installed_head
 from services.loading import LoadedModel
 from services.loop import GenerationResult, SpeculationStats, generate
-from services.models.prompts import held_out_prompts
 from services.prefill import PrefillEngine
 from services.sampling import SamplingParams
 from services.text import chat_ids
@@ -66,7 +66,22 @@ def model_speedups(mean_len: float, k: int, c: float, v_k: float) -> tuple[float
     return mean_len / (k * c + v_k), mean_len / max(k * c, v_k)
 
 
-def _run_k(k: int, engines, prompts, references, *, max_new_tokens: int, t_target_step: float, off: Arm) -> dict:
+def _by_category(results: list[GenerationResult], categories: list[str], k: int) -> dict:
+    """Per category: mean accepted length, acceptance and acceptance by draft position."""
+    out = {}
+    for category in dict.fromkeys(categories):
+        mine = [r for r, c in zip(results, categories) if c == category]
+        stats = SpeculationStats()
+        for r in mine:
+            stats.merge(r.stats)
+        out[category] = {"prompts": len(mine), "mean_accepted_length": round(stats.mean_accepted_length, 3),
+                         "acceptance_rate": round(stats.acceptance_rate, 4),
+                         "acceptance_by_position": [round(a, 4) for a in acceptance_by_position(mine, k)]}
+    return out
+
+
+def _run_k(k: int, engines, prompts, references, *, max_new_tokens: int, t_target_step: float, off: Arm,
+           categories: list[str]) -> dict:
     prefill, drafts, verify, costs = engines
     n_proposals, n_verify = len(costs.draft_token_s[drafts.drafter]), len(costs.verify_s[k + 1])
     arm, results, identical = Arm(f"k={k}"), [], True
@@ -110,6 +125,7 @@ def _run_k(k: int, engines, prompts, references, *, max_new_tokens: int, t_targe
         "model_speedup_overlapped": round(model_overlapped, 3),
         "measured_speedup_sequential": round(arm.tok_s / off.tok_s, 3),
         "greedy_identical": identical,
+        "by_category": _by_category(results, categories, k),
     }
 
 
@@ -122,9 +138,14 @@ def run(
     max_new_tokens: int = 64,
     draft_vocab_size: int | None = None,
     drafter: str | None = None,  # default: the EAGLE head when the drafter folder has one, else the draft model
+    prompt_set: str = "held_out",
     progress=print,
 ) -> dict:
-    prompts = [chat_ids(target.tokenizer, p) for p in held_out_prompts()[:num_prompts]]
+    from splitspec.bench.grpc import labelled_prompts
+
+    labelled = labelled_prompts(prompt_set)[:num_prompts] if num_prompts else labelled_prompts(prompt_set)
+    categories = [c for c, _ in labelled]
+    prompts = [chat_ids(target.tokenizer, p) for _, p in labelled]
     costs = StepCosts()
     draft_engine = DraftEngine(draft, draft_vocab_size=draft_vocab_size, eagle_head=installed_head(draft, target))
     drafter = drafter or (EAGLE_DRAFTER if EAGLE_DRAFTER in draft_engine.drafters else MODEL_DRAFTER)
@@ -146,14 +167,21 @@ def run(
     # 2. the speculative loop at each k
     rows = []
     for k in ks:
-        row = _run_k(k, engines, prompts, references, max_new_tokens=max_new_tokens, t_target_step=t_target_step, off=off)
+        row = _run_k(k, engines, prompts, references, max_new_tokens=max_new_tokens, t_target_step=t_target_step, off=off,
+                     categories=categories)
         rows.append(row)
         progress(f"k={k}: acceptance by position {row['acceptance_by_position']}, rate {row['acceptance_rate']:.1%}, "
                  f"mean accepted length {row['mean_accepted_length']:.2f}; t_draft_token {row['t_draft_token_ms']:.2f} ms "
                  f"(c = {row['draft_cost_ratio']:.3f}), v_k = {row['verify_cost_ratio']:.2f}; ideal "
                  f"{row['ideal_speedup_sequential']:.2f}x sequential, {row['ideal_speedup_overlapped']:.2f}x overlapped; "
                  f"measured {row['measured_speedup_sequential']:.2f}x; identical={row['greedy_identical']}")
-    return _report(rows, costs, t_target_step, off, vocab, target, draft, len(prompts), max_new_tokens, drafter)
+        if len(row["by_category"]) > 1:
+            for category, part in row["by_category"].items():
+                progress(f"  {category}: mean accepted length {part['mean_accepted_length']:.2f}, acceptance by position "
+                         f"{part['acceptance_by_position']}")
+    report = _report(rows, costs, t_target_step, off, vocab, target, draft, len(prompts), max_new_tokens, drafter)
+    report["setup"]["prompt_set"] = prompt_set
+    return report
 
 
 def _report(rows, costs: StepCosts, t_target_step: float, off: Arm, vocab: int, target, draft, prompts: int, max_new_tokens: int,
