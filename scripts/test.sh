@@ -32,5 +32,5 @@ for arg in "$@"; do
 done
 status=0
 pytest_run -n 2 --dist loadfile "$@" "${IN_PROCESS[@]}" || status=$?
-pytest_run "$@" "${CLUSTERS[@]}" || status=$?
+pytest_run --durations=15 "$@" "${CLUSTERS[@]}" || status=$?  # (the slowest cluster tests: where the time goes)
 exit "$status"

@@ -47,6 +47,9 @@ ENGINE = "docs/bench/bench-engine.json"
 LAYOUTS = "docs/bench/layouts/grpc.json"
 LAYOUTS_RUN = ("splitspec bench grpc --layouts colocated,disaggregated --timeline --prompts 8 --max-new-tokens 96 "
                "--policies 'server default,eagle k=1,eagle k=2,eagle adaptive sequential'")
+LAYOUTS_LOAD = "docs/bench/layouts/load.json"
+LAYOUTS_LOAD_RUN = ("splitspec bench load --layouts colocated,disaggregated --concurrency 1,8 --prompts 8 "
+                    "--max-new-tokens 64 --policies 'off,server default'")
 FIGURES = [
     Figure("Spec-Bench, 480 first turns: server default vs speculation off, errors", SPECBENCH, ("errors",), "",
            "2026-12-06", "splitspec bench grpc --prompt-set specbench --check --prompts 0"),
@@ -66,6 +69,8 @@ FIGURES = [
            LAYOUTS, ("layouts", "colocated", "policies", "server default", "ratio_vs_off"), "x", "2026-12-06", LAYOUTS_RUN),
     Figure("the same, the draft stage drafting on the other core: server default / the verify replica drafting",
            LAYOUTS, ("vs_colocated", "disaggregated", "server default"), "x", "2026-12-06", LAYOUTS_RUN),
+    Figure("8 streams, the same two layouts: the draft stage drafting / the verify replica drafting, server default",
+           LAYOUTS_LOAD, ("vs_colocated", "disaggregated", "server default", "8"), "x", "2026-12-06", LAYOUTS_LOAD_RUN),
     Figure("in-process, best EAGLE k / splitspec speculation off", ENGINE, ("speedup_vs_splitspec_off",), "x", "2026-12-06",
            "splitspec bench engine --ks 1,2,3"),
     Figure("in-process, best EAGLE k", ENGINE, ("splitspec_tok_s",), "tok/s", "2026-12-06",
