@@ -603,6 +603,12 @@ def _service_args(p: argparse.ArgumentParser, *, prompts: int) -> None:
     p.add_argument("--json", help="also write the report as JSON here")
 
 
+def cmd_drafter_train(args) -> int:
+    from splitspec import drafter
+
+    return drafter.run(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="splitspec", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true")
@@ -614,6 +620,32 @@ def build_parser() -> argparse.ArgumentParser:
     prep.add_argument("--retrain", action="store_true", help="distil the drafter anew (about 30 minutes)")
     prep.add_argument("--export", action="store_true", help="with --retrain: overwrite the shipped drafter weights")
     prep.set_defaults(fn=cmd_models_prepare)
+
+    drafters = sub.add_parser("drafter", help="drafters for your own target").add_subparsers(dest="action", required=True)
+    train = drafters.add_parser("train", help="train an EAGLE head for a target on its own answers (on Ray; resumable)",
+                                description="Generate self-distillation data from the target (built-in prompts, "
+                                "self-instruct and --prompts; greedy and sampled; multi-turn; features recorded), train "
+                                "the EAGLE head and the EAGLE-3 fused variant, report acceptance per Spec-Bench category, "
+                                "and save the servable winner in OUT/head (--install: beside a drafter).")
+    train.add_argument("--target", required=True, help="the target's folder (a Hugging Face causal LM)")
+    train.add_argument("--out", required=True, help="the run's folder: data, heads, report (resumable)")
+    train.add_argument("--tokens", type=int, default=2_000_000, help="answer tokens to generate")
+    train.add_argument("--prompts", help="your own traffic, JSONL: {\"prompt\": ...} or {\"messages\": [...]} per line "
+                       "(refused if it shares an 8-gram with Spec-Bench or MT-Bench)")
+    train.add_argument("--data", help="where the answers (token ids) go (default: OUT/data): keep them apart to commit "
+                       "or share them, and resume from them in another --out")
+    train.add_argument("--address", help="a Ray cluster to run on (default: a local one with every CPU)")
+    train.add_argument("--resume", action="store_true", help="continue the run in --out (the same data recipe)")
+    train.add_argument("--install", metavar="DRAFTER_DIR", help="install the head beside this drafter (models.draft)")
+    train.add_argument("--seed", type=int, default=0)
+    train.add_argument("--variants", type=lambda s: tuple(s.split(",")), help="final,fused (default: both)")
+    train.add_argument("--train-workers", type=int, default=None,
+                       help="data-parallel training workers on this node (default: 2 CPUs, or every GPU)")
+    for name, kind in (("unit-prompts", int), ("unit-followups", int), ("max-new-tokens", int), ("self-instruct", int),
+                       ("draft-vocab", int), ("epochs", int), ("train-seconds", float), ("eval-prompts", int),
+                       ("eval-held-out", int), ("eval-max-new-tokens", int)):
+        train.add_argument(f"--{name}", type=kind, default=None, help="(services.training.pipeline.TrainJob)")
+    train.set_defaults(fn=cmd_drafter_train)
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="what", required=True)
     engine = bench.add_parser("engine", help="target alone vs transformers assisted vs the splitspec loop")

@@ -20,6 +20,8 @@ from services.models.eagle import NO_ID, EagleConfig, EagleHead
 
 logger = logging.getLogger(__name__)
 
+CHECKPOINT_EVERY = 25  # optimiser steps between progress logs / checkpoints
+
 
 def kept_vocabulary(rows: list[dict], size: int, vocab_size: int) -> torch.Tensor:
     """The ``size`` ids the target emits most often in ``rows`` (ties by id), sorted."""
@@ -84,33 +86,50 @@ def chain_loss(head: EagleHead, batch, steps: int, reg_weight: float):
 
 def train(head: EagleHead, rows: list[dict], cfg: EagleConfig, top_k: int, *, max_seconds: float | None = None,
           checkpoint=None) -> list[dict]:
+    """Train on ``rows`` in memory (``train_batches`` over batches of similar length). Returns the loss log."""
+    by_length = sorted(range(len(rows)), key=lambda i: len(rows[i]["ids"]))  # batches of similar length pad less
+    batches = [[rows[i] for i in by_length[j : j + cfg.batch_size]] for j in range(0, len(by_length), cfg.batch_size)]
+
+    def epoch(generator: torch.Generator):
+        return (batches[b] for b in torch.randperm(len(batches), generator=generator).tolist())
+
+    return train_batches(head, epoch, len(batches), cfg, top_k, max_seconds=max_seconds, checkpoint=checkpoint)
+
+
+def train_batches(head: EagleHead, epoch, batches_per_epoch: int, cfg: EagleConfig, top_k: int, *,
+                  max_seconds: float | None = None, checkpoint=None, sync_gradients=None, agree=None) -> list[dict]:
     """AdamW, warmup then cosine to zero over ``cfg.epochs`` or ``max_seconds``, whichever ends first.
 
-    With a time budget the cosine follows max(step fraction, time fraction),
-    so a run cut by the clock still ends annealed. ``checkpoint(step)`` runs
-    every ``CHECKPOINT_EVERY`` steps. Returns the loss log.
+    ``epoch(generator)`` yields one epoch's batches (lists of rows) in a seeded order: from memory, or streamed from
+    data files one at a time. With a time budget the cosine follows max(step fraction, time fraction), so a run cut
+    by the clock still ends annealed. ``checkpoint(step)`` runs every ``CHECKPOINT_EVERY`` steps;
+    ``sync_gradients(params)`` (data-parallel workers: an all-reduce) runs between backward and the step. Returns
+    the loss log. ``agree(progress)``: the progress every worker goes by (their largest), so that data-parallel
+    workers on a time budget stop at the same step.
     """
     params = [p for p in head.parameters() if p.requires_grad]
     optim = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
     generator = torch.Generator().manual_seed(cfg.seed)
-    by_length = sorted(range(len(rows)), key=lambda i: len(rows[i]["ids"]))  # batches of similar length pad less
-    batches = [by_length[i : i + cfg.batch_size] for i in range(0, len(by_length), cfg.batch_size)]
-    total = len(batches) * cfg.epochs
+    total = batches_per_epoch * cfg.epochs
     log, start, step = [], time.perf_counter(), 0
     bar = tqdm(total=total, desc=f"eagle head ({cfg.feature})", unit="step")
     for _ in range(cfg.epochs):
-        for b in torch.randperm(len(batches), generator=generator).tolist():
+        for rows in epoch(generator):
             progress = step / total
             if max_seconds:
                 progress = max(progress, (time.perf_counter() - start) / max_seconds)
+                if agree is not None:
+                    progress = agree(progress)
             if progress >= 1.0:
                 break
             for group in optim.param_groups:
                 group["lr"] = cfg.lr * min(1.0, (step + 1) / cfg.warmup_steps) * 0.5 * (1 + math.cos(math.pi * progress))
-            batch = collate([rows[j] for j in batches[b]], cfg.feature, cfg.ttt_steps, top_k)
+            batch = collate(rows, cfg.feature, cfg.ttt_steps, top_k)
             loss, parts = chain_loss(head, batch, cfg.ttt_steps, cfg.reg_weight)
             optim.zero_grad(set_to_none=True)
             loss.backward()
+            if sync_gradients is not None:
+                sync_gradients(params)
             torch.nn.utils.clip_grad_norm_(params, 1.0)
             optim.step()
             step += 1
@@ -126,6 +145,3 @@ def train(head: EagleHead, rows: list[dict], cfg: EagleConfig, top_k: int, *, ma
                     checkpoint(step)
     bar.close()
     return log
-
-
-CHECKPOINT_EVERY = 25  # optimiser steps between progress logs / checkpoints

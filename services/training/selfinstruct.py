@@ -133,12 +133,12 @@ def answer_batch(model, tokenizer, convs: list[list[int]], cfg: DataConfig, *, r
     recorder = FeatureRecorder(model, cfg.feature_layers, cfg.teacher_top_k) if record else None
     sampling = {"do_sample": True, "temperature": temperature, "top_p": 0.95} if temperature > 0 else {"do_sample": False}
     try:
-        out = model.generate(input_ids=input_ids, attention_mask=attention, pad_token_id=pad,
+        out = model.generate(input_ids=input_ids.to(model.device), attention_mask=attention.to(model.device), pad_token_id=pad,
                              max_new_tokens=max_new_tokens or cfg.max_new_tokens, **sampling)
     finally:
         if recorder is not None:
             recorder.close()
-    answers = out[:, width:]  # [B, T]
+    answers = out[:, width:].cpu()  # [B, T]
     rows = []
     if record:
         final = recorder.stacked("final")  # [B, width + T - 1, hidden]
@@ -205,7 +205,7 @@ def self_instruct(model, tokenizer, cfg: DataConfig) -> list[str]:
     return list(dict.fromkeys(f for f in found if f))
 
 
-def _followups(rows: list[dict], tokenizer, rng: random.Random, n: int):
+def followups(rows: list[dict], tokenizer, rng: random.Random, n: int):
     """Summaries / rewrites of the target's answers and second turns of a chat."""
     out = []
     for i in rng.sample(range(len(rows)), min(n, len(rows))):
@@ -274,7 +274,7 @@ def build(model, tokenizer, cfg: DataConfig, cache_dir: Path, *, max_shards: int
             pairs = first[b * cfg.batch_size : (b + 1) * cfg.batch_size]
         else:
             prev = _load_rows(shard_dir, [m for m, (w, c) in enumerate(plan[:n]) if w == "first" and c > b - FOLLOWUP_EVERY])
-            pairs = _followups(prev, tokenizer, random.Random(cfg.seed * 31 + n), cfg.batch_size)
+            pairs = followups(prev, tokenizer, random.Random(cfg.seed * 31 + n), cfg.batch_size)
         convs = [conversation_ids(tokenizer, c) for _, c in pairs]
         order = sorted(range(len(convs)), key=lambda i: len(convs[i]))
         rows = answer_batch(model, tokenizer, [convs[i] for i in order], cfg)

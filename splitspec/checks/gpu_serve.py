@@ -24,7 +24,6 @@ import argparse
 import concurrent.futures
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -36,17 +35,16 @@ from pathlib import Path
 import torch
 import yaml
 
+from services.models.tiny import TOKENIZER_FILES, random_pair
 from splitspec.checks.gpu import first_difference
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "configs" / "gpu-one.yaml"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "List three primary colors.",
            "Count from 1 to 10."]
 POLICIES = {"model k=1": dict(drafter="model", num_draft_tokens=1),
             "model k=3": dict(drafter="model", num_draft_tokens=3),
             "server default": dict()}
-EMBEDDING_STD = 1.0  # the tied LM head's rows: logits spread over tens, so near-ties are rare in bfloat16
 DRAFT_CPU_THREADS = 4  # the mixed run's CPU drafter beside a GPU (a GPU machine has cores to spare)
 RUNS = ("one-gpu", "mixed")
 START_TIMEOUT_S = 600
@@ -119,33 +117,6 @@ def _prepared_tokenizer() -> Path:
     from services.models import default_pair
 
     return default_pair.target_dir()
-
-
-def random_pair(out: Path, tokenizer: Path, shape: str, seed: int = 0) -> tuple[Path, Path]:
-    """(target, draft) folders of random-weight Llama models around ``tokenizer``'s files; the draft is the
-    target's first half of its layers with its embeddings (tied head) and final norm."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from services.models import default_pair
-
-    config = default_pair.architecture() if shape == "default" else LlamaConfig(
-        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=8192, tie_word_embeddings=True)
-    torch.manual_seed(seed)
-    target = LlamaForCausalLM(config).to(torch.bfloat16)
-    with torch.no_grad():
-        target.get_input_embeddings().weight.normal_(0.0, EMBEDDING_STD)
-    draft_config = config.to_dict() | {"num_hidden_layers": max(1, config.num_hidden_layers // 2)}
-    draft = LlamaForCausalLM(type(config).from_dict(draft_config)).to(torch.bfloat16)
-    draft.load_state_dict({k: v for k, v in target.state_dict().items() if k in draft.state_dict()})
-    folders = []
-    for name, model in (("target", target), ("draft", draft)):
-        folder = out / name
-        model.save_pretrained(folder)
-        for f in TOKENIZER_FILES:
-            shutil.copy(tokenizer / f, folder / f)
-        folders.append(folder)
-    return folders[0], folders[1]
 
 
 def run_config(run: str, pair: tuple[Path, Path], device: str) -> dict:

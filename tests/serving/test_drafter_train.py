@@ -1,0 +1,85 @@
+"""`splitspec drafter train` end to end on a tiny random pair around the default tokenizer: the data on Ray
+actors, both variants trained with Ray Train, the report per Spec-Bench category, the head installed beside the
+drafter and loaded as serve loads it (and refused for another target); a resumed run keeps the units it has and
+only adds what the larger budget needs; a prompt file that copies Spec-Bench is refused before anything starts."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from services import eagle_draft
+from services.loading import load_head_parts
+from services.models import default_pair, specbench
+from services.models.tiny import random_pair
+from services.training import pipeline
+from tests.serving.conftest import stop_shared_cluster
+
+ROOT = Path(__file__).resolve().parents[2]
+SMALL = ["--unit-prompts", "8", "--unit-followups", "4", "--max-new-tokens", "24", "--self-instruct", "0",
+         "--eval-prompts", "6", "--eval-held-out", "2", "--eval-max-new-tokens", "24", "--draft-vocab", "512",
+         "--train-workers", "2"]
+
+
+def train(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    env = os.environ | {"RAY_AUTH_MODE": "disabled"}
+    return subprocess.run([sys.executable, "-m", "splitspec.cli", "drafter", "train", *map(str, args)], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    stop_shared_cluster()  # (the trainer starts a local cluster of its own)
+    return random_pair(tmp_path_factory.mktemp("pair"), default_pair.target_dir(), "small")
+
+
+def test_train_install_and_resume(pair, tmp_path):
+    target, draft = pair
+    mine = tmp_path / "mine.jsonl"
+    mine.write_text("\n".join(json.dumps(x) for x in (
+        {"prompt": "Write a SQL query that counts the orders per customer."},
+        {"messages": [{"role": "user", "content": "Rename the variable x to total in my script."},
+                      {"role": "assistant", "content": "Sure."}]},
+    )) + "\n")
+    out = tmp_path / "run"
+    done = train("--target", target, "--out", out, "--tokens", 600, "--prompts", mine, "--install", draft, *SMALL)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads((out / "report.json").read_text())
+    assert report["answer_tokens"] >= 600 and set(report["variants"]) == {"final", "fused"}
+    assert report["installed_variant"] == "final"  # (serving reads the final-norm features)
+    sets = set(report["variants"]["final"]["acceptance"])
+    assert {"held_out", "specbench"} <= sets and len([s for s in sets if s.startswith("specbench/")]) == 6
+    k3 = report["variants"]["final"]["acceptance"]["specbench"]["k3"]
+    assert len(k3["acceptance_by_position"]) == 3 and k3["mean_accepted_length"] >= 1.0
+    prompts = json.loads((out / "data" / "prompts.json").read_text())
+    assert sum(kind == "user" for kind, _ in prompts) == 2
+    units = {p.name: p.stat().st_mtime_ns for p in pipeline.unit_paths(out / "data")}
+    # installed where serve looks (the drafter folder), and refused for another target
+    installed = eagle_draft.find(draft)
+    assert installed is not None
+    head = eagle_draft.load(installed, load_head_parts(target))
+    assert head.cfg.feature == "final" and len(head.kept_ids) == 512
+    with pytest.raises(ValueError, match="trained for target"):
+        eagle_draft.load(installed, load_head_parts(default_pair.target_dir()))
+    # an existing run is not overwritten; --resume with a larger budget keeps every unit and adds some
+    again = train("--target", target, "--out", out, "--tokens", 600, *SMALL)
+    assert again.returncode != 0 and "--resume" in again.stderr
+    more = train("--target", target, "--out", out, "--tokens", 1200, "--prompts", mine, "--resume", *SMALL)
+    assert more.returncode == 0, more.stdout[-3000:] + more.stderr[-3000:]
+    after = {p.name: p.stat().st_mtime_ns for p in pipeline.unit_paths(out / "data")}
+    assert len(after) > len(units) and all(after[name] == mtime for name, mtime in units.items())
+    assert json.loads((out / "report.json").read_text())["answer_tokens"] >= 1200
+
+
+def test_a_prompt_file_that_copies_spec_bench_is_refused(pair, tmp_path):
+    target, _ = pair
+    copied = tmp_path / "copied.jsonl"
+    question = specbench.questions()[100]
+    copied.write_text(json.dumps({"prompt": "Hi! " + question.first_turn}) + "\n")
+    refused = train("--target", target, "--out", tmp_path / "run", "--prompts", copied, *SMALL, timeout=120)
+    assert refused.returncode != 0
+    assert f"Spec-Bench question {question.question_id}" in refused.stderr
+    assert not (tmp_path / "run").exists()
