@@ -267,8 +267,7 @@ def train(job: TrainJob, out: Path, variant: str, workers: int, paths: list[Path
         train_loop_config={"job": asdict(job), "variant": variant, "out": str(out / "heads" / variant),
                            "paths": [str(p.resolve()) for p in paths]},
         torch_config=TorchConfig(backend="nccl" if gpu else "gloo"),
-        scaling_config=ScalingConfig(num_workers=workers, use_gpu=gpu, resources_per_worker={"CPU": 1, node: 0.001},
-                                     trainer_resources={"CPU": 0}),  # (the coordinator only waits)
+        scaling_config=ScalingConfig(num_workers=workers, use_gpu=gpu, resources_per_worker={"CPU": 1, node: 0.001}),
         run_config=RunConfig(name=f"head-{variant}", storage_path=str((out / "ray_train").resolve())),
     )
     trainer.fit()
