@@ -84,9 +84,9 @@ def connect(address: str | None) -> None:
 def _worker_class():
     import ray
 
-    @ray.remote
+    @ray.remote(max_restarts=3, max_task_retries=3)  # a lost worker comes back and takes its unit again
     class UnitWorker:
-        """Loads the target once; answers units."""
+        """Loads the target once; answers units (a unit is seeded by its number: a retry answers it alike)."""
 
         def __init__(self, job: TrainJob, pool: list, threads: int):
             self.job, self.pool = job, pool
