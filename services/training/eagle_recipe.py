@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import statistics
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -25,6 +24,7 @@ from services.models import eagle
 from services.models.default_pair import SHIPPED_EAGLE, drafter_dir, home, target_dir
 from services.training import eagle_train, selfinstruct
 from services.training.acceptance import acceptance, eagle_drafts, model_drafts
+from services.training.pipeline import median_ms
 
 logger = logging.getLogger(__name__)
 WEIGHTS_DIR = SHIPPED_EAGLE.parent  # services/models/eagle_weights
@@ -54,13 +54,7 @@ def coverage(kept_ids: torch.Tensor, rows: list[dict]) -> float:
 
 
 def _median_time(fn) -> float:
-    fn()
-    times = []
-    for _ in range(COST_REPEATS):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return median_ms(fn, COST_REPEATS) / 1000
 
 
 def measure_costs(head: eagle.EagleHead | None, row: dict) -> dict:

@@ -375,13 +375,14 @@ def draft_cost(head: eagle.EagleHead, target, row: dict, context: int = 160, rep
             session.draft_one()
             session.rollback()
 
-        target_ms, draft_ms = _median_ms(step, repeats), _median_ms(draft, repeats)
+        target_ms, draft_ms = median_ms(step, repeats), median_ms(draft, repeats)
     finally:
         torch.set_num_threads(threads)
     return {"target_step_ms": target_ms, "draft_token_ms": draft_ms, "c": round(draft_ms / target_ms, 4)}
 
 
-def _median_ms(fn, repeats: int) -> float:
+def median_ms(fn, repeats: int) -> float:
+    """The median of ``repeats`` timed calls of ``fn`` after one untimed (ms)."""
     fn()
     times = []
     for _ in range(repeats):
