@@ -224,6 +224,7 @@ def _train_loop(config: dict) -> None:
     """One Ray Train worker: its share of every epoch's batches; gradients all-reduced (mean) before each step."""
     import ray.train
     import torch.distributed as dist
+    from ray.train.torch import get_device
 
     job = TrainJob(**config["job"])
     context = ray.train.get_context()
@@ -239,13 +240,14 @@ def _train_loop(config: dict) -> None:
                 p.grad /= world
 
     def agree(progress: float) -> float:
-        value = torch.tensor([progress])
+        value = torch.tensor([progress], device=get_device())
         dist.all_reduce(value, op=dist.ReduceOp.MAX)
         return value.item()
 
     out = Path(config["out"])
     head, log = pipeline.train_variant(model, job, config["variant"], paths, rank=rank, world=world,
-                                       sync_gradients=sync if world > 1 else None, agree=agree if world > 1 else None)
+                                       sync_gradients=sync if world > 1 else None, agree=agree if world > 1 else None,
+                                       device=get_device())
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
         torch.save({"state": head.trainable_state(), "kept_ids": head.kept_ids, "feature_dim": head.feature_dim,

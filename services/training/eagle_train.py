@@ -108,6 +108,7 @@ def train_batches(head: EagleHead, epoch, batches_per_epoch: int, cfg: EagleConf
     workers on a time budget stop at the same step.
     """
     params = [p for p in head.parameters() if p.requires_grad]
+    device = params[0].device  # (batches are collated on the CPU and moved to the head's device)
     optim = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
     generator = torch.Generator().manual_seed(cfg.seed)
     total = batches_per_epoch * cfg.epochs
@@ -124,7 +125,7 @@ def train_batches(head: EagleHead, epoch, batches_per_epoch: int, cfg: EagleConf
                 break
             for group in optim.param_groups:
                 group["lr"] = cfg.lr * min(1.0, (step + 1) / cfg.warmup_steps) * 0.5 * (1 + math.cos(math.pi * progress))
-            batch = collate(rows, cfg.feature, cfg.ttt_steps, top_k)
+            batch = tuple(t.to(device) for t in collate(rows, cfg.feature, cfg.ttt_steps, top_k))
             loss, parts = chain_loss(head, batch, cfg.ttt_steps, cfg.reg_weight)
             optim.zero_grad(set_to_none=True)
             loss.backward()

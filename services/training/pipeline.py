@@ -312,15 +312,17 @@ def new_head(target, job: TrainJob, feature: str, paths: list[Path]) -> eagle.Ea
 
 
 def train_variant(target, job: TrainJob, feature: str, paths: list[Path], *, rank: int = 0, world: int = 1,
-                  sync_gradients=None, agree=None, checkpoint=None) -> tuple[eagle.EagleHead, list[dict]]:
-    """One head of ``feature`` trained on the units (the same data and schedule for each variant)."""
+                  sync_gradients=None, agree=None, checkpoint=None, device: str | torch.device = "cpu",
+                  ) -> tuple[eagle.EagleHead, list[dict]]:
+    """One head of ``feature`` trained on the units (the same data and schedule for each variant), on ``device``;
+    returned on the CPU."""
     torch.manual_seed(job.seed)
-    head = new_head(target, job, feature, paths).train()
+    head = new_head(target, job, feature, paths).to(device).train()
     epoch, per_epoch = unit_batches(paths, job.batch_size, rank=rank, world=world)
     log = eagle_train.train_batches(head, epoch, per_epoch, head.cfg, job.teacher_top_k,
                                     max_seconds=job.train_seconds or None, checkpoint=checkpoint,
                                     sync_gradients=sync_gradients, agree=agree)
-    return head.eval(), log
+    return head.cpu().eval(), log
 
 
 # -- 4. report --------------------------------------------------------------------------------------------------
