@@ -307,13 +307,13 @@ def run(args) -> int:
     job = TrainJob(target=str(Path(args.target).resolve()), tokens=args.tokens, seed=args.seed,
                    user_prompts_sha256=pipeline.file_sha256(user_path) if user_path else "",
                    **{k: v for k, v in vars(args).items() if k in TUNABLE and v is not None})
-    job = open_job(job, out, args.resume)
-    started = time.time()
     data = Path(args.data) if args.data else out / "data"
     try:
-        pipeline.open_data(job, data)
+        pipeline.open_data(job, data)  # (a data folder of another recipe is refused before the run is written)
     except ValueError as exc:
         raise SystemExit(f"error: {exc}") from None
+    job = open_job(job, out, args.resume)
+    started = time.time()
     connect(args.address)
     pool = prompts(job, data, user)
     print(f"prompts: {len(pool)} first turns ({sum(1 for k, _ in pool if k == 'user')} yours)", flush=True)

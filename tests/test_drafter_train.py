@@ -83,3 +83,13 @@ def test_a_prompt_file_that_copies_spec_bench_is_refused(pair, tmp_path):
     assert refused.returncode != 0
     assert f"Spec-Bench question {question.question_id}" in refused.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_a_data_folder_of_another_recipe_is_refused(pair, tmp_path):
+    """Units resume only with the recipe they were made with (their recipe.json): another is refused up front."""
+    target, _ = pair
+    data = tmp_path / "data"
+    pipeline.open_data(pipeline.TrainJob(target=str(target), max_new_tokens=24), data)
+    refused = train("--target", target, "--data", data, "--out", tmp_path / "run", "--max-new-tokens", 32, timeout=120)
+    assert refused.returncode != 0 and "another recipe" in refused.stderr and "max_new_tokens" in refused.stderr
+    assert not (tmp_path / "run").exists()
