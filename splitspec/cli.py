@@ -629,7 +629,9 @@ def build_parser() -> argparse.ArgumentParser:
                                 "and save the servable winner in OUT/head (--install: beside a drafter).")
     train.add_argument("--target", required=True, help="the target's folder (a Hugging Face causal LM)")
     train.add_argument("--out", required=True, help="the run's folder: data, heads, report (resumable)")
-    train.add_argument("--tokens", type=int, default=2_000_000, help="answer tokens to generate")
+    train.add_argument("--tokens", type=int, default=2_000_000,
+                       help="answer tokens to train on: the first units of the data that hold them, generating what it lacks "
+                       "(runs over one --data with growing --tokens give the curve against the data)")
     train.add_argument("--prompts", help="your own traffic, JSONL: {\"prompt\": ...} or {\"messages\": [...]} per line "
                        "(refused if it shares an 8-gram with Spec-Bench or MT-Bench)")
     train.add_argument("--data", help="where the answers (token ids) go (default: OUT/data): keep them apart to commit "

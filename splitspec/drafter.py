@@ -175,13 +175,25 @@ def generate(job: TrainJob, data: Path, pool: list) -> int:
     return tokens
 
 
-def featurize(job: TrainJob, data: Path, features: Path) -> list[Path]:
-    """Every unit's features (a teacher-forced pass each, on the data workers); returns the feature files."""
+def training_units(job: TrainJob, data: Path) -> list[Path]:
+    """The units a run trains on: the first ones (by number) that hold ``job.tokens`` answer tokens, so that runs
+    over one data folder with growing ``--tokens`` give the curve of a head against its data."""
+    chosen, tokens = [], 0
+    for path in pipeline.unit_paths(data):
+        if tokens >= job.tokens:
+            break
+        chosen.append(path)
+        tokens += pipeline.answer_tokens(torch.load(path))
+    return chosen
+
+
+def featurize(job: TrainJob, units: list[Path], features: Path) -> list[Path]:
+    """The units' features (a teacher-forced pass each, on the data workers); returns the feature files."""
     import ray
     from tqdm.auto import tqdm
 
     features.mkdir(parents=True, exist_ok=True)
-    todo = [p for p in pipeline.unit_paths(data) if not (features / p.name).is_file()]
+    todo = [p for p in units if not (features / p.name).is_file()]
     if todo:
         n_workers, options, threads = worker_options()
         workers = [_worker_class().options(**options).remote(job, [], threads) for _ in range(min(n_workers, len(todo)))]
@@ -201,7 +213,7 @@ def featurize(job: TrainJob, data: Path, features: Path) -> list[Path]:
             bar.close()
             for w in workers:
                 ray.kill(w)
-    return [features / p.name for p in pipeline.unit_paths(data)]
+    return [features / p.name for p in units]
 
 
 def eval_sets(job: TrainJob, out: Path) -> dict:
@@ -317,8 +329,10 @@ def run(args) -> int:
     connect(args.address)
     pool = prompts(job, data, user)
     print(f"prompts: {len(pool)} first turns ({sum(1 for k, _ in pool if k == 'user')} yours)", flush=True)
-    tokens = generate(job, data, pool)
-    paths = featurize(job, data, out / "features")
+    generate(job, data, pool)
+    units = training_units(job, data)
+    tokens = sum(pipeline.answer_tokens(torch.load(p)) for p in units)
+    paths = featurize(job, units, out / "features")
     print(f"data: {tokens} answer tokens in {len(paths)} units ({data})", flush=True)
     sets = eval_sets(job, out)
     workers = args.train_workers or min(2, max(1, os.cpu_count() or 1))
