@@ -44,8 +44,8 @@ def load_target(path: str, threads: int = 1):
 
 
 def open_job(job: TrainJob, out: Path, resume: bool) -> TrainJob:
-    """Start ``out`` for ``job``, or continue the job saved there (``resume``): the data must be the same recipe;
-    the token budget and the training schedule may change."""
+    """Check that ``job`` may start in ``out``, or continue the job saved there (``resume``): the data must be the
+    same recipe; the token budget and the training schedule may change. Writes nothing (``save_job``)."""
     path = out / "job.json"
     if path.is_file():
         if not resume:
@@ -58,9 +58,12 @@ def open_job(job: TrainJob, out: Path, resume: bool) -> TrainJob:
             raise SystemExit(f"--resume: the data recipe differs from the saved run's ({changed}); use another --out")
     elif resume:
         raise SystemExit(f"--resume: {out} holds no run to resume")
-    out.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(asdict(job), indent=2) + "\n")
     return job
+
+
+def save_job(job: TrainJob, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "job.json").write_text(json.dumps(asdict(job), indent=2) + "\n")
 
 
 def connect(address: str | None) -> None:
@@ -319,12 +322,13 @@ def run(args) -> int:
     job = TrainJob(target=str(Path(args.target).resolve()), tokens=args.tokens, seed=args.seed,
                    user_prompts_sha256=pipeline.file_sha256(user_path) if user_path else "",
                    **{k: v for k, v in vars(args).items() if k in TUNABLE and v is not None})
+    job = open_job(job, out, args.resume)
     data = Path(args.data) if args.data else out / "data"
     try:
         pipeline.open_data(job, data)  # (a data folder of another recipe is refused before the run is written)
     except ValueError as exc:
         raise SystemExit(f"error: {exc}") from None
-    job = open_job(job, out, args.resume)
+    save_job(job, out)
     started = time.time()
     connect(args.address)
     pool = prompts(job, data, user)
