@@ -32,7 +32,7 @@ MODEL_DRAFTER = "model"  # a small model with the target's tokenizer
 EAGLE_DRAFTER = "eagle"  # a one-layer head over the target's features (services.eagle_draft)
 PROMPT_LOOKUP_DRAFTER = "prompt_lookup"  # n-gram matches in the prompt and the text so far
 DRAFT_STREAM = 1  # random stream of draft samples (see sampling.make_generator)
-BUILTIN_MODULES = ("services.draft", "services.eagle_draft")  # they register the three kinds above
+BUILTIN_MODULES = ("services.draft", "services.eagle_draft", "services.hybrid_draft")  # the built-in kinds
 
 
 @dataclass

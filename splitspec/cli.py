@@ -667,7 +667,8 @@ def build_parser() -> argparse.ArgumentParser:
     drafter.add_argument("--max-new-tokens", type=int, default=64)
     drafter.add_argument("--draft-vocab", type=int, default=None,
                          help="ids the drafter's LM head keeps (default: the drafter's shipped size; 0 = full vocabulary)")
-    drafter.add_argument("--drafter", choices=["model", "eagle"], help="default: eagle when the drafter folder has a head")
+    drafter.add_argument("--drafter", choices=["model", "eagle", "hybrid"],
+                         help="default: eagle when the drafter folder has a head (hybrid: prompt lookup where the text repeats)")
     drafter.add_argument("--json", help="also write the report as JSON here")
     drafter.set_defaults(fn=cmd_bench_drafter)
     batching = bench.add_parser("batching", help="each engine's calls for B sessions one by one vs in one batched pass")

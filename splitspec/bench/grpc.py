@@ -37,6 +37,7 @@ POLICIES = {
     "eagle k=3": dict(speculate=True, drafter="eagle", num_draft_tokens=3),
     "eagle k=4": dict(speculate=True, drafter="eagle", num_draft_tokens=4),
     "prompt_lookup k=3": dict(speculate=True, drafter="prompt_lookup", num_draft_tokens=3),
+    "hybrid k=3": dict(speculate=True, drafter="hybrid", num_draft_tokens=3),
     "eagle k=1 overlap": dict(speculate=True, drafter="eagle", num_draft_tokens=1, overlap=True),
     "eagle k=2 overlap": dict(speculate=True, drafter="eagle", num_draft_tokens=2, overlap=True),
     "model k=1 overlap": dict(speculate=True, drafter="model", num_draft_tokens=1, overlap=True),
