@@ -125,7 +125,7 @@ class SpeculationDefaults(_Strict):
         "answer (an adaptive k decides which random draws are made); 0 = such requests run without speculation",
     )
     drafter: str = Field(
-        "", description="default drafter kind (services.drafters: model, eagle, prompt_lookup, or one of "
+        "", description="default drafter kind (services.drafters: model, eagle, prompt_lookup, hybrid, or one of "
         "models.drafter_modules); empty = eagle when the drafter folder has an EAGLE head, else model"
     )
     overlap: bool | None = Field(
