@@ -73,5 +73,5 @@ def test_drafter_head_keeps_the_shipped_draft_vocabulary(default_pair, engines):
 def test_prepare_installs_the_shipped_eagle_head(default_pair, engines):
     """`models prepare` puts the shipped EAGLE head beside the drafter, so the pair offers every drafter kind."""
     _, draft, _ = engines
-    assert draft.drafters == ("model", "prompt_lookup", "eagle")
+    assert draft.drafters == ("model", "prompt_lookup", "eagle", "hybrid")
     assert draft.eagle_head.cfg.feature == "final"
