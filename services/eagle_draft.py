@@ -205,10 +205,11 @@ def start_session(head: eagle.EagleHead, vocab_size: int, prompt_ids: Sequence[i
     return EagleDraftSession(head, vocab_size, list(prompt_ids), params, generator, features)
 
 
-def _start(engine, ids: list[int], params: SamplingParams, features: torch.Tensor | None) -> EagleDraftSession:
+def start(engine, ids: list[int], params: SamplingParams, features: torch.Tensor | None) -> EagleDraftSession:
+    """A session of the engine's head (the kind's ``start``; the hybrid kind wraps it)."""
     vocab_size = engine.eagle_head.embed.shape[0]  # q spans the target's vocabulary, as its verifier's p does
     return start_session(engine.eagle_head, vocab_size, ids, params, make_generator(params.seed, DRAFT_STREAM), features)
 
 
 # an EAGLE chain step is ~1/8 of a target step: a pre-draft affords a block after each of 3 guesses
-register(DrafterKind(EAGLE_DRAFTER, _start, needs="head", reads_features=True, pre_draft_guesses=3))
+register(DrafterKind(EAGLE_DRAFTER, start, needs="head", reads_features=True, pre_draft_guesses=3))

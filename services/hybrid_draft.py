@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from services.drafters import DrafterKind, DraftProposal, register
 from services.eagle_draft import EagleDraftSession
-from services.eagle_draft import _start as start_eagle
+from services.eagle_draft import start as start_eagle
 from services.prompt_lookup import find_candidates
 
 HYBRID_DRAFTER = "hybrid"

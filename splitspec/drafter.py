@@ -51,7 +51,8 @@ def open_job(job: TrainJob, out: Path, resume: bool) -> TrainJob:
         if not resume:
             raise SystemExit(f"{out} holds a run already: pass --resume to continue it, or choose another --out")
         saved = TrainJob(**{k: tuple(v) if isinstance(v, list) else v for k, v in json.loads(path.read_text()).items()})
-        changed = {k: (saved.data_fields()[k], v) for k, v in job.data_fields().items() if saved.data_fields()[k] != v}
+        before = saved.data_fields()
+        changed = {k: (before[k], v) for k, v in job.data_fields().items() if before[k] != v}
         if saved.target != job.target:
             changed["target"] = (saved.target, job.target)
         if changed:
@@ -178,16 +179,16 @@ def generate(job: TrainJob, data: Path, pool: list) -> int:
     return tokens
 
 
-def training_units(job: TrainJob, data: Path) -> list[Path]:
-    """The units a run trains on: the first ones (by number) that hold ``job.tokens`` answer tokens, so that runs
-    over one data folder with growing ``--tokens`` give the curve of a head against its data."""
+def training_units(job: TrainJob, data: Path) -> tuple[list[Path], int]:
+    """The units a run trains on, and their answer tokens: the first ones (by number) that hold ``job.tokens``, so
+    that runs over one data folder with growing ``--tokens`` give the curve of a head against its data."""
     chosen, tokens = [], 0
     for path in pipeline.unit_paths(data):
         if tokens >= job.tokens:
             break
         chosen.append(path)
         tokens += pipeline.answer_tokens(torch.load(path))
-    return chosen
+    return chosen, tokens
 
 
 def featurize(job: TrainJob, units: list[Path], features: Path) -> list[Path]:
@@ -334,8 +335,7 @@ def run(args) -> int:
     pool = prompts(job, data, user)
     print(f"prompts: {len(pool)} first turns ({sum(1 for k, _ in pool if k == 'user')} yours)", flush=True)
     generate(job, data, pool)
-    units = training_units(job, data)
-    tokens = sum(pipeline.answer_tokens(torch.load(p)) for p in units)
+    units, tokens = training_units(job, data)
     paths = featurize(job, units, out / "features")
     print(f"data: {tokens} answer tokens in {len(paths)} units ({data})", flush=True)
     sets = eval_sets(job, out)

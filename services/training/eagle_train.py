@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
@@ -23,8 +24,9 @@ logger = logging.getLogger(__name__)
 CHECKPOINT_EVERY = 25  # optimiser steps between progress logs / checkpoints
 
 
-def kept_vocabulary(rows: list[dict], size: int, vocab_size: int) -> torch.Tensor:
-    """The ``size`` ids the target emits most often in ``rows`` (ties by id), sorted."""
+def kept_vocabulary(rows: Iterable[dict], size: int, vocab_size: int) -> torch.Tensor:
+    """The ``size`` ids the target emits most often in ``rows`` (ties by id), sorted; ``rows`` is read once (a
+    stream over data files does)."""
     counts = torch.zeros(vocab_size, dtype=torch.long)
     for r in rows:
         counts += torch.bincount(r["ids"][r["prompt_len"]:].long(), minlength=vocab_size)

@@ -52,7 +52,7 @@ class TrainJob:
     """Everything that decides a run's data and head (saved as job.json; ``--resume`` continues the same job)."""
 
     target: str  # the target's folder
-    tokens: int = 2_000_000  # answer tokens to generate
+    tokens: int = 2_000_000  # answer tokens to train on (the first units holding them; generated where lacking)
     seed: int = 0
     unit_prompts: int = 32  # first turns a unit answers (one generate batch)
     unit_followups: int = 16  # follow-ups of its own answers a unit answers after them
@@ -264,14 +264,8 @@ def unit_paths(data_dir: Path) -> list[Path]:
 
 
 def kept_vocabulary(paths: list[Path], size: int, vocab_size: int) -> torch.Tensor:
-    """The ``size`` ids the target emits most often in the units' answers (eagle_train.kept_vocabulary, streamed)."""
-    counts = torch.zeros(vocab_size, dtype=torch.long)
-    for path in paths:
-        for r in torch.load(path, mmap=True):
-            counts += torch.bincount(r["ids"][r["prompt_len"]:].long(), minlength=vocab_size)
-    if not size or size >= vocab_size:
-        return torch.arange(vocab_size)
-    return torch.sort(torch.topk(counts, size, sorted=True).indices).values
+    """eagle_train.kept_vocabulary over the units' rows, read one file at a time."""
+    return eagle_train.kept_vocabulary((r for path in paths for r in torch.load(path, mmap=True)), size, vocab_size)
 
 
 def unit_batches(paths: list[Path], batch_size: int, *, rank: int = 0, world: int = 1):
