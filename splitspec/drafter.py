@@ -97,9 +97,10 @@ def _worker_class():
             device = "cuda" if torch.cuda.is_available() else "cpu"
             self.model, self.tokenizer = load_target(job.target, threads)
             self.model.to(device)
+            self.runner = pipeline.answer_runner(self.model)
 
         def unit(self, n: int) -> list[dict]:
-            return pipeline.unit_data(pipeline.answer_unit(self.model, self.tokenizer, self.job, self.pool, n))
+            return pipeline.unit_data(pipeline.answer_unit(self.model, self.tokenizer, self.job, self.pool, n, self.runner))
 
         def featurize(self, rows: list[dict]) -> list[dict]:
             return pipeline.featurize(self.model, rows, self.job)

@@ -8,7 +8,9 @@ spreads the stages over a Ray cluster; each stage here is plain torch).
    answers (second turns, summaries, rewrites), so every unit is multi-turn and self-contained, seeded by n, and
    saved as one small file of token ids: units run anywhere, in any order, a killed run loses only the units in
    flight, and a run's data can be kept (committed) to resume in another session. Answers are greedy, and sampled
-   for every ``sampled_every``-th unit and every unit past the pool's first pass.
+   for every ``sampled_every``-th unit and every unit past the pool's first pass; the engine's runner answers them
+   with continuous batching where its compact forward runs (a Llama on a CPU: ``answer_runner``), transformers'
+   ``generate`` elsewhere.
 3. **Features** (``featurize``): what a head learns from, from one teacher-forced pass of the target over each
    answered conversation (the same positions generation computed): the final-norm feature (EAGLE), the residual
    stream after a low, a mid and a high layer (EAGLE-3's fused feature), and the target's top-K log-probs at each
@@ -23,6 +25,7 @@ spreads the stages over a Ray cluster; each stage here is plain torch).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -35,9 +38,12 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from services import fast_llama
+from services.loading import wrap_model
 from services.models import eagle, specbench
 from services.training import contamination, eagle_train, prompt_bank, selfinstruct
 from services.training.acceptance import acceptance, eagle_drafts
+from services.training.answers import continuous_answers, pad_and_eos, sampled_params
 from services.training.prompts import train_prompts
 
 logger = logging.getLogger(__name__)
@@ -178,33 +184,52 @@ def unit_temperature(job: TrainJob, n: int, pool_size: int) -> float:
     return job.temperature if not first_pass or n % job.sampled_every == job.sampled_every - 1 else 0.0
 
 
-def answer_unit(model, tokenizer, job: TrainJob, pool: list, n: int) -> list[dict]:
+def answer_runner(model):
+    """The engine's runner to answer units with (``answers.continuous_answers``) where a pass batches sequences:
+    the compact forward of a Llama on a CPU; None elsewhere (a GPU, another architecture): transformers' generate
+    over left-padded batches, which batches there."""
+    if model.device.type != "cpu" or not fast_llama.supports(model.config):
+        return None
+    return fast_llama.FastLlamaRunner(wrap_model(model, model_id="target", device="cpu"))
+
+
+def answer_unit(model, tokenizer, job: TrainJob, pool: list, n: int, runner=None) -> list[dict]:
     """Unit ``n``: its first turns (taken from the pool in order, wrapping around), then follow-ups of them. Each
-    row: ids, prompt_len, the features, the teacher's top-K, kind, temperature."""
+    row: ids, prompt_len, kind, temperature (and messages, dropped when saved). ``runner``: ``answer_runner``'s."""
     cfg = data_config(job, model)
-    torch.manual_seed(job.seed * 100_003 + n)
+    torch.manual_seed(job.seed * 100_003 + n)  # transformers' generate samples from the global generator
+    generator = torch.Generator().manual_seed(job.seed * 100_003 + n)  # the runner's draws
     start = n * job.unit_prompts
     first = [pool[(start + i) % len(pool)] for i in range(job.unit_prompts)]
     temperature = unit_temperature(job, n, len(pool))
-    rows = _answer(model, tokenizer, first, cfg, temperature)
-    follow = selfinstruct.followups(rows, tokenizer, random.Random(job.seed * 1_000_003 + n), job.unit_followups)
-    return rows + _answer(model, tokenizer, follow, cfg, temperature)
+    answer = functools.partial(_answer, model, tokenizer, cfg=cfg, temperature=temperature, runner=runner,
+                               generator=generator)
+    rows = answer(first)
+    return rows + answer(selfinstruct.followups(rows, tokenizer, random.Random(job.seed * 1_000_003 + n),
+                                                job.unit_followups))
 
 
 def _answer(model, tokenizer, pairs: list, cfg: selfinstruct.DataConfig, temperature: float, *,
-            record: bool = False) -> list[dict]:
+            record: bool = False, runner=None, generator: torch.Generator | None = None) -> list[dict]:
     """Rows in ``pairs``' order: ids (prompt + answer, int32), prompt_len, kind, messages (dropped when saved),
-    temperature; with ``record``, the features too (the evaluation sets)."""
+    temperature; with ``record``, the features too (the evaluation sets: transformers' generate records them)."""
     if not pairs:
         return []
     convs = [selfinstruct.conversation_ids(tokenizer, conv) for _, conv in pairs]
-    order = sorted(range(len(convs)), key=lambda i: len(convs[i]))  # similar lengths pad less
-    answered = selfinstruct.answer_batch(model, tokenizer, [convs[i] for i in order], cfg, temperature=temperature,
-                                         record=record)
-    rows: list[dict] = [{}] * len(convs)
-    for i, row in zip(order, answered):
-        rows[i] = row | {"kind": pairs[i][0], "messages": pairs[i][1], "temperature": temperature}
-    return rows
+    if runner is not None and not record:
+        _, eos = pad_and_eos(model, tokenizer)
+        answers = continuous_answers(runner, convs, eos=eos, max_new_tokens=cfg.max_new_tokens,
+                                     params=sampled_params(temperature), generator=generator, slots=cfg.batch_size)
+        answered = [{"ids": torch.tensor(c + a, dtype=torch.int32), "prompt_len": len(c)} for c, a in zip(convs, answers)]
+    else:
+        order = sorted(range(len(convs)), key=lambda i: len(convs[i]))  # similar lengths pad less
+        by_length = selfinstruct.answer_batch(model, tokenizer, [convs[i] for i in order], cfg,
+                                              temperature=temperature, record=record)
+        answered = [{}] * len(convs)
+        for i, row in zip(order, by_length):
+            answered[i] = row
+    return [row | {"kind": kind, "messages": conv, "temperature": temperature}
+            for row, (kind, conv) in zip(answered, pairs, strict=True)]
 
 
 FEATURE_BATCH = 8  # conversations per teacher-forced pass
