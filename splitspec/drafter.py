@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from services.models import eagle
 from services.training import pipeline
 from services.training.pipeline import TrainJob
 
@@ -267,8 +268,8 @@ def _train_loop(config: dict) -> None:
                                        device=get_device())
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
-        torch.save({"state": head.trainable_state(), "kept_ids": head.kept_ids, "feature_dim": head.feature_dim,
-                    "units": [p.name for p in paths], "job": config["job"]}, out / "head.pt")
+        eagle.save_head(head, out / TRAINED_HEAD, dtype=torch.float32)
+        (out / TRAINED_ON).write_text(json.dumps({"units": [p.name for p in paths], "job": config["job"]}))
         (out / "log.json").write_text(json.dumps(log))
     ray.train.report({"steps": len(log), "loss": log[-1]["loss"] if log else None})
 
@@ -292,22 +293,20 @@ def train(job: TrainJob, out: Path, variant: str, workers: int, paths: list[Path
     trainer.fit()
 
 
+TRAINED_HEAD, TRAINED_ON = "head.safetensors", "trained_on.json"  # a variant's head (float32) and its units and job
+
+
 def trained_on(out: Path, variant: str, paths: list[Path], job: TrainJob) -> bool:
     """Whether ``variant``'s saved head was trained on exactly these units with this job (else: train it again)."""
-    path = out / "heads" / variant / "head.pt"
-    if not path.is_file():
+    folder = out / "heads" / variant
+    if not (folder / TRAINED_HEAD).is_file() or not (folder / TRAINED_ON).is_file():
         return False
-    saved = torch.load(path)
-    return saved["units"] == [p.name for p in paths] and saved["job"] == asdict(job)
+    saved = json.loads((folder / TRAINED_ON).read_text())
+    return saved == json.loads(json.dumps({"units": [p.name for p in paths], "job": asdict(job)}))
 
 
-def load_trained(target, job: TrainJob, out: Path, variant: str):
-    from services.models import eagle
-
-    saved = torch.load(out / "heads" / variant / "head.pt")
-    head = eagle.EagleHead(target, job.eagle_config(variant), saved["kept_ids"], saved["feature_dim"])
-    head.load_state_dict(saved["state"], strict=False)
-    return head.eval()
+def load_trained(target, out: Path, variant: str):
+    return eagle.load_head(target, out / "heads" / variant / TRAINED_HEAD)
 
 
 # -- the command ------------------------------------------------------------------------------------------------
@@ -347,7 +346,7 @@ def run(args) -> int:
         if not trained_on(out, variant, paths, job):
             print(f"training the {variant!r} head", flush=True)
             train(job, out, variant, workers, paths)
-        head = load_trained(target, job, out, variant)
+        head = load_trained(target, out, variant)
         row = max(sets["held_out"], key=lambda r: len(r["ids"]))
         results[variant] = {"acceptance": pipeline.evaluate(head, sets),
                             "cost": pipeline.draft_cost(head, target, row),
@@ -366,7 +365,7 @@ def run(args) -> int:
     print(report_markdown(report), flush=True)
     if winner:
         head_dir = out / "head"
-        pipeline.save_head(load_trained(target, job, out, winner), report, head_dir, target.config)
+        pipeline.save_head(load_trained(target, out, winner), report, head_dir, target.config)
         print(f"head: {head_dir / pipeline.HEAD_FILE}", flush=True)
         if args.install:
             path = pipeline.install(head_dir, Path(args.install))

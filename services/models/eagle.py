@@ -25,6 +25,7 @@ from t sees. Drafting one sequence at a time, batched over sessions, is
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import math
 from dataclasses import dataclass
@@ -203,8 +204,19 @@ def _remap(kept_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:  # [N] -> [
     return remap
 
 
+def save_head(head: EagleHead, path, dtype: torch.dtype = torch.bfloat16):
+    """What ``load_head`` reads, at ``path`` (safetensors): the trained weights in ``dtype`` (bfloat16: what serving
+    reads; float32: a trainer's checkpoint), the kept ids and the config. Not the target's frozen parts."""
+    from safetensors.torch import save_file
+
+    state = {k: v.detach().to("cpu", dtype).contiguous() for k, v in head.trainable_state().items()}
+    state["kept_ids"] = head.kept_ids.int().cpu().contiguous()
+    save_file(state, str(path), metadata={"config": json.dumps(dataclasses.asdict(head.cfg))})
+    return path
+
+
 def load_head(target, path) -> EagleHead:
-    """A saved head (services.training.eagle_recipe.save_head) on ``target``'s frozen embeddings and LM-head rows."""
+    """A saved head (``save_head``) on ``target``'s frozen embeddings and LM-head rows."""
     from safetensors import safe_open
     from safetensors.torch import load_file
 

@@ -18,7 +18,6 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 from services.models import eagle
 from services.models.default_pair import SHIPPED_EAGLE, drafter_dir, home, target_dir
@@ -93,10 +92,7 @@ def measure_costs(head: eagle.EagleHead | None, row: dict) -> dict:
 
 def save_head(head: eagle.EagleHead, report: dict, name: str, folder: Path = WEIGHTS_DIR) -> Path:
     folder.mkdir(exist_ok=True)
-    state = {k: v.to(torch.bfloat16).contiguous() for k, v in head.trainable_state().items()}
-    state["kept_ids"] = head.kept_ids.int().contiguous()
-    path = folder / f"{name}.safetensors"
-    save_file(state, path, metadata={"config": json.dumps(asdict(head.cfg))})
+    path = eagle.save_head(head, folder / f"{name}.safetensors")
     (folder / f"{name}.json").write_text(json.dumps(report, indent=2) + "\n")
     return path
 

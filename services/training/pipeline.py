@@ -36,7 +36,6 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 from services import fast_llama
 from services.loading import wrap_model
@@ -427,10 +426,7 @@ def save_head(head: eagle.EagleHead, report: dict, folder: Path, target_config) 
     from services import eagle_draft
 
     folder.mkdir(parents=True, exist_ok=True)
-    state = {k: v.to(torch.bfloat16).contiguous() for k, v in head.trainable_state().items()}
-    state["kept_ids"] = head.kept_ids.int().contiguous()
-    path = folder / HEAD_FILE
-    save_file(state, path, metadata={"config": json.dumps(asdict(head.cfg))})
+    path = eagle.save_head(head, folder / HEAD_FILE)
     report = report | {"target": eagle_draft.target_identity(target_config)}
     (folder / REPORT_FILE).write_text(json.dumps(report, indent=2) + "\n")
     return path
