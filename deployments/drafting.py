@@ -21,6 +21,7 @@ from ray.serve.handle import DeploymentHandle
 
 from deployments import calls
 from deployments.routing import pin
+from services import drafters
 from services.chained import ChainedCall
 from services.draft import DraftProposal, ProposeCall
 from services.loop import Propose
@@ -48,17 +49,17 @@ class LocalDrafting:
 
     def __init__(self, replica, session_id: str):
         self.replica, self.session_id = replica, session_id
-        self.open = False
+        self.open, self.kind = False, None
 
     async def start(self, prompt_ids: list[int], params: SamplingParams, drafter: str, handoff) -> None:
         features = await handoff.feature_refs[0] if handoff.feature_refs else None
         await self.replica._run(self.replica.drafts.start, self.session_id, prompt_ids, params, drafter, features)
-        self.open = True
+        self.open, self.kind = True, drafters.get(drafter)
 
     async def propose_and_verify(self, p: Propose):
         """The proposal and the verification of its drafts in one call of the batched passes (ChainedResult)."""
         call = ProposeCall(self.session_id, p.k, list(p.forced), p.guesses, list(p.accepts), p.width)
-        return await self.replica.batcher.submit(ChainedCall(call))
+        return await self.replica.batcher.submit(ChainedCall(call, self.kind.verify_rows(p.k, p.width)))
 
     def close(self) -> None:
         if self.open:  # (on the engine thread: after a start still running there)

@@ -26,6 +26,7 @@ class ChainedCall:
     """One session's proposal and the verification of its drafts."""
 
     propose: ProposeCall
+    verify_rows: int = 0  # the most rows its drafts take in the target pass (its kind's ``verify_rows``); 0: a tree's
 
     @property
     def request_id(self) -> str:
@@ -34,7 +35,7 @@ class ChainedCall:
     @property
     def rows(self) -> int:
         """Rows it adds to the target pass at most: its pending token and its drafts (a tree's included)."""
-        return tree_rows(self.propose.k, self.propose.width)
+        return self.verify_rows or tree_rows(self.propose.k, self.propose.width)
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ from typing import Any, Protocol
 import torch
 
 from services.errors import InvalidRequestError
+from services.tree import tree_rows
 
 MODEL_DRAFTER = "model"  # a small model with the target's tokenizer
 EAGLE_DRAFTER = "eagle"  # a one-layer head over the target's features (services.eagle_draft)
@@ -114,6 +115,7 @@ class DrafterKind:
     needs: str = ""  # what the drafter folder must hold: "model" (a draft model), "head" (an EAGLE head), "" nothing
     reads_features: bool = False  # sessions take the target's features: prefill and verdicts carry them
     pre_draft_guesses: int = 1  # likely verdicts a pre-draft drafts a block after (what it affords in one verify pass)
+    verify_rows: Callable[[int, int], int] = tree_rows  # (k, tree width) -> the most rows a step's verify pass takes
 
 
 _KINDS: dict[str, DrafterKind] = {}

@@ -3,7 +3,12 @@ agent tool loops copy spans of their prompt; there a step whose last tokens occu
 and answer so far) proposes what followed them (prompt lookup: free, and right for as long as the copy goes on),
 and elsewhere the head's chain or tree. The choice is made per step, on the context alone.
 
-The head's session stays the source of truth: a lookup proposal is put in its place (``EagleDraftSession.proposal``)
+Greedy requests, where the context repeats, verify both in one draft tree (``merged_tree``): the lookup's chain and
+the head's proposal beside it (its chain, or its tree), sharing the nodes where they agree. The target's pass takes
+whichever is right, so a lookup that stops copying costs the step nothing more than the head's own would. Sampled
+requests verify chains (exact rejection sampling over a tree is not implemented: services.tree): the lookup's.
+
+The head's session stays the source of truth: the lookup chain is put in its place (``EagleDraftSession.proposal``)
 so that the verdict's accepted tokens and their target features go to the head as if it had drafted them, and its
 next chain starts from them. A lookup proposal is deterministic (q one-hot): sampled output stays exact.
 """
@@ -17,6 +22,7 @@ from services.drafters import DrafterKind, DraftProposal, register
 from services.eagle_draft import EagleDraftSession
 from services.eagle_draft import start as start_eagle
 from services.prompt_lookup import find_candidates
+from services.tree import chain_parents, tree_rows
 
 HYBRID_DRAFTER = "hybrid"
 MIN_LOOKUP = 2  # a lookup proposal needs at least this many tokens; shorter matches leave the step to the head
@@ -33,12 +39,16 @@ class HybridSession:
 
     def propose_steps(self, k: int, forced: Sequence[int] = (), width: int = 1):
         lookup = find_candidates(self.eagle.tokens + list(forced), k)
-        if len(lookup) >= min(MIN_LOOKUP, k):
-            self.lookups += 1
+        if len(lookup) < min(MIN_LOOKUP, k):
+            return (yield from self.eagle.propose_steps(k, forced, width))
+        self.lookups += 1
+        if not self.eagle.params.greedy:
             self.eagle.proposal = list(forced) + lookup
             return DraftProposal(lookup, None)
-            yield  # (a generator, as the protocol's steps are; a lookup asks the engine for nothing)
-        return (yield from self.eagle.propose_steps(k, forced, width))
+        head = yield from self.eagle.propose_steps(k, forced, width)
+        self.eagle.proposal = list(forced) + lookup  # the tree's chain: what the verdict's first accept counts
+        token_ids, parents = merged_tree(lookup, head.token_ids, head.parents or chain_parents(len(head.token_ids)))
+        return DraftProposal(token_ids, None, parents=parents)
 
     def pre_draft_steps(self, k: int, forced: Sequence[int], guesses: int):
         return (yield from self.eagle.pre_draft_steps(k, forced, guesses))
@@ -47,8 +57,31 @@ class HybridSession:
         self.eagle.accept(n_matches, next_token, features)
 
 
+def merged_tree(chain: list[int], ids: list[int], parents: list[int]) -> tuple[list[int], list[int]]:
+    """(token ids, parents) of one draft tree (services.tree) holding ``chain`` as its chain (rows 1 .. len(chain))
+    and the tree of ``ids`` / ``parents`` beside it: each of its nodes whose parent is on the chain and whose token is
+    the chain's next is that chain node; the others follow in their order, with their parents' new rows."""
+    merged_ids, merged_parents = list(chain), chain_parents(len(chain))
+    row_of = {0: 0}  # a row of the tree beside -> its row in the merged tree
+    for row, (token, parent) in enumerate(zip(ids, parents, strict=True), start=1):
+        at = row_of[parent]
+        if at < len(chain) and chain[at] == token:  # (rows 0 .. len(chain) are the pending token and the chain)
+            row_of[row] = at + 1  # the chain's node after row ``at``
+            continue
+        merged_ids.append(token)
+        merged_parents.append(at)
+        row_of[row] = len(merged_ids)
+    return merged_ids, merged_parents
+
+
 def _start(engine, ids: list[int], params, features) -> HybridSession:
     return HybridSession(start_eagle(engine, ids, params, features))
 
 
-register(DrafterKind(HYBRID_DRAFTER, _start, needs="head", reads_features=True, pre_draft_guesses=3))
+def verify_rows(k: int, width: int) -> int:
+    """A greedy step where the context repeats verifies the lookup's chain beside the head's chain or tree."""
+    return tree_rows(k, width) + k
+
+
+register(DrafterKind(HYBRID_DRAFTER, _start, needs="head", reads_features=True, pre_draft_guesses=3,
+                     verify_rows=verify_rows))

@@ -285,13 +285,16 @@ class SpeculativeLoop:
 
 
 def drafter_accepts(verdict: VerifyResult, chain: int) -> list[Accept]:
-    """The verdict as the drafter takes it. Its proposal was the chain: a tree's path that ends on a side node s is
-    the chain's first m tokens, then s in place of the next one, then the bonus token after s."""
-    if not verdict.path or verdict.path[-1] <= chain:  # a chain, or a path along the tree's chain
+    """The verdict as the drafter takes it. Its proposal was the chain: a tree's path that leaves the chain after m
+    of its tokens is those m, then each node of the path off the chain in place of the next one (one side node, or a
+    branch of several: services.hybrid_draft), then the bonus token."""
+    path = verdict.path or []
+    m = sum(1 for row in path if row <= chain)  # (the path's rows on the chain come first)
+    if m == len(path):  # a chain, or a path along the tree's chain
         return [Accept(verdict.n_matches, verdict.token_ids[-1], verdict.features)]
-    m, features = verdict.n_matches - 1, verdict.features
-    return [Accept(m, verdict.token_ids[-2], features[: m + 1] if features is not None else None),
-            Accept(0, verdict.token_ids[-1], features[m + 1 :] if features is not None else None)]
+    features, ids = verdict.features, verdict.token_ids  # [n_matches + 1, hidden], [n_matches + 1]
+    rows = lambda start, stop: features[start:stop] if features is not None else None  # noqa: E731
+    return [Accept(m, ids[m], rows(0, m + 1))] + [Accept(0, ids[j], rows(j, j + 1)) for j in range(m + 1, len(ids))]
 
 
 def finish_step(step: StepOutput, generated: int, max_new_tokens: int, eos: set[int]) -> tuple[StepOutput, int]:

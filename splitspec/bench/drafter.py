@@ -50,10 +50,10 @@ DEFAULT_KS = (1, 2, 3, 4, 5, 6)
 
 
 def acceptance_by_position(results: list[GenerationResult], k: int) -> list[float]:
-    """Per draft position j = 1..k: accepted at j / steps that drafted at least j tokens."""
+    """Per draft position j = 1..k: accepted at j / steps that drafted at least j tokens (a tree: j deep)."""
     drafted, accepted = [0] * k, [0] * k
     for result in results:
-        for n in result.drafted_per_step:
+        for n in result.depth_per_step:
             for j in range(n):
                 drafted[j] += 1
         for j, count in enumerate(result.stats.accepted_per_position):

@@ -29,6 +29,7 @@ from services.policy import AcceptanceCounts, AdaptiveK, CostModel
 from services.prefill import PrefillEngine
 from services.sampling import SamplingParams
 from services.text import chat_ids
+from services.tree import DraftTree
 from services.verify import VerifyEngine
 
 logger = logging.getLogger(__name__)
@@ -75,8 +76,8 @@ class TimedDraft:
         start = time.perf_counter()
         proposal = self.engine.propose(request_id, *args, **kwargs)
         seconds = time.perf_counter() - start
-        if proposal.token_ids:
-            self.costs.draft_token_s[self.drafter].append(seconds / len(proposal.token_ids))
+        if proposal.token_ids:  # per token of its depth: a tree's side nodes and a lookup beside a chain cost nothing
+            self.costs.draft_token_s[self.drafter].append(seconds / depth(proposal))
         return proposal
 
 
@@ -113,9 +114,15 @@ def _timed(arm: Arm, fn):
     return tokens
 
 
+def depth(proposal) -> int:
+    """Draft tokens a proposal's drafter computed one after another: its chain's length, or its tree's depth."""
+    return max(DraftTree(tuple(proposal.parents)).depths()) if proposal.parents else len(proposal.token_ids)
+
+
 def _traced_generate(*args, **kwargs) -> GenerationResult:
-    """``generate`` that also records the prefill time and each step's draft length (for the ideal)."""
-    tokens, stats, finish, drafted_per_step = [], SpeculationStats(), None, []
+    """``generate`` that also records the prefill time and each step's draft tokens and draft depth (for the ideal
+    and the acceptance by position)."""
+    tokens, stats, finish, drafted_per_step, depth_per_step = [], SpeculationStats(), None, [], []
     start = time.perf_counter()
     prefill_s = 0.0
     for i, step in enumerate(speculative_decode(*args, stats=stats, **kwargs)):
@@ -123,10 +130,11 @@ def _traced_generate(*args, **kwargs) -> GenerationResult:
             prefill_s = time.perf_counter() - start
         else:
             drafted_per_step.append(step.n_drafted)
+            depth_per_step.append(len(step.accepted))  # (a verdict's per position: by depth in a tree)
         tokens += step.token_ids
         finish = step.finish_reason or finish
     result = GenerationResult(tokens, finish, stats)
-    result.prefill_s, result.drafted_per_step = prefill_s, drafted_per_step
+    result.prefill_s, result.drafted_per_step, result.depth_per_step = prefill_s, drafted_per_step, depth_per_step
     return result
 
 
@@ -254,9 +262,10 @@ def run(
 
 def ideal_seconds(result: GenerationResult, draft_token_s: float, verify_s: dict[int, float], overlapped: bool = False) -> float:
     """A lower bound on one generation's time: its measured prefill plus the cheapest observed costs of its steps
-    (drafting then verifying, or with ``overlapped`` the longer of the two)."""
+    (drafting its depth then verifying its rows, or with ``overlapped`` the longer of the two)."""
     combine = max if overlapped else (lambda a, b: a + b)
-    return result.prefill_s + sum(combine(n * draft_token_s, verify_s[n + 1]) for n in result.drafted_per_step)
+    return result.prefill_s + sum(combine(d * draft_token_s, verify_s[n + 1])
+                                  for n, d in zip(result.drafted_per_step, result.depth_per_step, strict=True))
 
 
 def _draft_vocab_size(engine: DraftEngine) -> int:

@@ -6,6 +6,7 @@ import pytest
 
 from services import drafters
 from services.draft import DraftEngine
+from services.hybrid_draft import merged_tree
 from services.loop import generate
 from services.prefill import PrefillEngine
 from services.sampling import SamplingParams
@@ -49,5 +50,30 @@ def test_a_repeating_context_is_drafted_by_lookup_then_by_the_head(engines):
     result = prefill.prefill(REPEATING, params, features=True)
     draft.start("h", REPEATING, params, "hybrid", result.features)
     draft.accept("h", 0, 23)  # the token after the prompt continues the repeat (its feature: with the next verdict)
-    assert draft.propose("h", 3).token_ids == [24, 25, 26]  # what followed "22 23" earlier, as prompt lookup has it
+    proposal = draft.propose("h", 3)  # greedy: what followed "22 23" earlier, as prompt lookup has it, is the chain
+    assert proposal.token_ids[:3] == [24, 25, 26] and proposal.parents[:3] == [0, 1, 2]
+    assert len(proposal.token_ids) > 3  # and the head's chain beside it (where it is not the lookup's)
+    assert 1 + len(proposal.token_ids) <= drafters.get("hybrid").verify_rows(3, 1)  # the rows a pass plans for
     draft.close("h")
+
+
+def test_merged_tree_shares_the_nodes_where_lookup_and_head_agree():
+    """The lookup chain first; the head's nodes beside it, but where one is the chain's next token it is that node."""
+    # head chain 7 8 5 agrees with the lookup's 7 8 then leaves it; its side node 6 (a child of the pending token)
+    ids, parents = merged_tree([7, 8, 9], [7, 8, 5, 6], [0, 1, 2, 0])
+    assert (ids, parents) == ([7, 8, 9, 5, 6], [0, 1, 2, 2, 0])
+    ids, parents = merged_tree([7, 8], [4, 5, 6], [0, 1, 2])  # no agreement: a second chain from the pending token
+    assert (ids, parents) == ([7, 8, 4, 5, 6], [0, 1, 0, 3, 4])
+    assert merged_tree([7, 8], [7, 8], [0, 1]) == ([7, 8], [0, 1])
+
+
+@pytest.mark.parametrize("width", [1, 3])
+def test_greedy_merged_trees_equal_target_alone(tiny, engines, width):
+    """A repeating context drafts lookup and head in one tree (the head's chain, or its own tree, beside the lookup's
+    chain): the output is the target's."""
+    target, _ = tiny
+    prefill, draft, verify = engines
+    for prompt in [REPEATING, REPEATING[:9] + [30, 31] + REPEATING[1:6]]:
+        result = generate(prefill, draft, verify, prompt, max_new_tokens=NEW_TOKENS, num_draft_tokens=3,
+                          params=SamplingParams(), drafter="hybrid", tree_width=width)
+        assert result.token_ids == greedy_reference(target.model, prompt, NEW_TOKENS), f"prompt {prompt}"

@@ -6,11 +6,11 @@ import torch
 
 from services import kernels
 from services.errors import InvalidRequestError
-from services.loop import generate
+from services.loop import drafter_accepts, generate
 from services.runner import make_runner
 from services.sampling import SamplingParams
 from services.tree import DraftTree, chain_length, side_tree, side_widths, tree_rows, with_sides
-from services.verify import VerifyEngine
+from services.verify import VerifyEngine, VerifyResult
 from tests.conftest import greedy_reference
 from tests.services.test_engine import NEW_TOKENS, PROMPTS
 
@@ -179,3 +179,18 @@ def test_a_forward_without_trees_verifies_the_chain(tiny, tiny_engines):
         result = generate(prefill, draft, verify, prompt, max_new_tokens=32, num_draft_tokens=2,
                           params=SamplingParams(), drafter="model", tree_width=3)
         assert result.token_ids == greedy_reference(target.model, prompt, 32), prompt
+
+
+def test_drafter_takes_a_path_off_the_chain_node_by_node():
+    """The drafter proposed the chain; a verdict whose path leaves it (a side node, or a branch of several nodes) is
+    the chain's accepted tokens, then each node off the chain, then the bonus token, each with its features."""
+    features = torch.arange(5.0)[:, None]  # [n_matches + 1, 1]
+    # chain rows 1-3; a branch 4 -> 5 from row 1: the path 1, 4, 5 accepts 3 tokens, then the bonus 9
+    verdict = VerifyResult([11, 14, 15, 9], 3, [True] * 3, features[:4], [1, 4, 5])
+    got = drafter_accepts(verdict, chain=3)
+    assert [(a.n_matches, a.next_token) for a in got] == [(1, 14), (0, 15), (0, 9)]
+    assert [a.features.flatten().tolist() for a in got] == [[0.0, 1.0], [2.0], [3.0]]
+    along = VerifyResult([11, 12, 9], 2, [True, True, False], features[:3], [1, 2])
+    assert [(a.n_matches, a.next_token) for a in drafter_accepts(along, chain=3)] == [(2, 9)]
+    chain = VerifyResult([11, 9], 1, [True, False], None, None)
+    assert [(a.n_matches, a.next_token) for a in drafter_accepts(chain, chain=2)] == [(1, 9)]
