@@ -218,7 +218,8 @@ class GrammarState:
         twin._eos_at, twin.n_tokens = self._eos_at, self.n_tokens
         return twin
 
-    def tree_masks(self, tokens: Sequence[int], parents: Sequence[int], out: torch.Tensor | None = None) -> torch.Tensor:
+    def tree_masks(self, tokens: Sequence[int], parents: Sequence[int],
+                   out: torch.Tensor | None = None) -> torch.Tensor:
         """Bitmasks [1 + n, words] of a draft tree of n nodes: row 0 is this state's mask, row i the mask after the
         path to node i - 1 (its ancestors' tokens, then its own). ``tokens[i]`` is node i's token and
         ``parents[i]`` its parent's row (0 = this state), parents before children (services.tree's layout).

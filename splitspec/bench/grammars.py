@@ -27,6 +27,7 @@ import multiprocessing as mp
 import random
 import statistics
 import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from importlib import metadata
@@ -210,7 +211,7 @@ def load_corpus(repo: str, n_schemas: int, seed: int = 0) -> list[dict]:
 def walk(engine: Candidate, grammar, tokens: list[int], times_us: list[float], *, probe_rollback: bool) -> dict:
     """Walk tokens with masks; returns whether all were allowed and the end accepts, and rollback probe results."""
     matcher = engine.start(grammar)
-    probes = {int(len(tokens) * (i + 1) / (ROLLBACK_PROBES + 1)) for i in range(ROLLBACK_PROBES)} if probe_rollback else set()
+    probes = {len(tokens) * (i + 1) // (ROLLBACK_PROBES + 1) for i in range(ROLLBACK_PROBES if probe_rollback else 0)}
     rollback_ok = rollback_bad = 0
     for i, token in enumerate(tokens):
         if i in probes and i + ROLLBACK_K <= len(tokens):
@@ -381,7 +382,8 @@ def summarize(tally: Tally | None, package: dict | None) -> dict:
             "valid_pass": tally.valid_pass, "valid_total": tally.valid_total,
             "invalid_pass": tally.invalid_pass, "invalid_total": tally.invalid_total,
             "rollback_ok": tally.rollback_ok, "rollback_bad": tally.rollback_bad,
-            "compile_ms_median": percentile(tally.compile_ms, 0.5), "compile_ms_p99": percentile(tally.compile_ms, 0.99),
+            "compile_ms_median": percentile(tally.compile_ms, 0.5),
+            "compile_ms_p99": percentile(tally.compile_ms, 0.99),
             "tokens": len(tally.token_us),
             "token_us_median": percentile(tally.token_us, 0.5), "token_us_p99": percentile(tally.token_us, 0.99),
             "token_us_mean": statistics.fmean(tally.token_us) if tally.token_us else None,
@@ -413,15 +415,16 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", help="write the report as JSON here")
     parser.add_argument("--corpus", default=DEFAULT_CORPUS, help="a git snapshot of guidance-ai/jsonschemabench")
-    parser.add_argument("--schemas", type=int, default=200, help="how many schemas (a seeded sample)")
+    parser.add_argument("--schemas", type=int, default=120, help="how many schemas (a seeded sample)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--timeout", type=float, default=30.0, help="seconds per schema and engine")
+    parser.add_argument("--timeout", type=float, default=20.0, help="seconds per schema and engine")
     parser.add_argument("--tokenizer", default=str(DEFAULT_TOKENIZER), help="a model folder (tokenizer + config.json)")
     parser.add_argument("--engines", default=",".join(CANDIDATES))
     args = parser.parse_args(argv)
     corpus = load_corpus(args.corpus, args.schemas, args.seed)
     report = run(corpus, tokenizer_dir=args.tokenizer, timeout_s=args.timeout, names=tuple(args.engines.split(",")))
-    report["command"] = "python -m splitspec.bench.grammars " + " ".join(argv if argv is not None else __import__("sys").argv[1:])
+    argv = sys.argv[1:] if argv is None else argv
+    report["command"] = "python -m splitspec.bench.grammars " + " ".join(argv)
     print(table(report))
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
