@@ -1,7 +1,8 @@
 """Typed errors raised by the engine; the serving edge maps each to a gRPC status.
 
 The mapping lives in one place (``deployments``): ``InvalidRequestError`` is
-INVALID_ARGUMENT, ``CapacityError`` RESOURCE_EXHAUSTED, ``SessionNotFoundError``
+INVALID_ARGUMENT (``InvalidGrammarError`` too, being one), ``GrammarStateError``
+INTERNAL, ``CapacityError`` RESOURCE_EXHAUSTED, ``SessionNotFoundError``
 and ``ModelMismatchError`` are server-side faults (INTERNAL or a retry).
 """
 
@@ -12,6 +13,15 @@ class SplitspecError(Exception):
 
 class InvalidRequestError(SplitspecError, ValueError):
     """The request itself is wrong (empty prompt, k out of range, ...); the user can fix it."""
+
+
+class InvalidGrammarError(InvalidRequestError):
+    """The request's JSON schema (or grammar) cannot be compiled; the message says why (HTTP 400, INVALID_ARGUMENT)."""
+
+
+class GrammarStateError(SplitspecError):
+    """A grammar state was asked to take a token its grammar forbids, or to roll back past its start: tokens come
+    from masked distributions, so this is a server-side fault (INTERNAL), never the user's."""
 
 
 class SessionNotFoundError(SplitspecError, KeyError):

@@ -1,0 +1,276 @@
+"""Structured outputs: a JSON schema (or any JSON object) compiled to a token grammar, and a per-request state.
+
+The engine is llguidance (github.com/guidance-ai/llguidance; chosen in
+docs/journal/2026-12-06-grammars.md): a schema compiles in milliseconds, the
+mask after each token is an Earley parse over a token trie, and the matcher
+rolls back any number of tokens, which is what a draft path or tree needs.
+
+Speculation stays exact when both distributions are masked by the same state:
+at each row of a draft path or tree, the target's p and the drafter's q are
+masked by the grammar state after that row's path (``GrammarState.tree_masks``),
+so rejection sampling runs on the masked distributions, greedy output equals
+constrained decoding without speculation, and the drafter, sampling from its
+masked q, never proposes a token the grammar forbids.
+
+Masks are bitmasks, one bit per vocab id in int32 words (bit ``i % 32`` of word
+``i // 32``), as llguidance fills them. Where the grammar forces the next bytes
+(``{"name": `` after ``{``), llguidance's mask holds only the first token of
+their canonical tokenization, not every token that spells a prefix of them: a
+deterministic function of the path, so target and drafter still see the same
+mask at each row (docs/fast_forward.md in llguidance). ``unpack_bitmask`` turns them into
+bools and ``mask_logits`` sets the forbidden logits to -inf. Ids at or past the
+tokenizer's size (the model's logits may be wider) are always forbidden.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+
+import llguidance
+import llguidance.hf
+import llguidance.torch
+import torch
+
+from services.errors import GrammarStateError, InvalidGrammarError
+
+# How JSON is written: json.dumps's separators and no other whitespace (free whitespace lets a small model emit
+# newlines forever; any layout keeps speculation exact), and \uXXXX escapes of any character, as json.dumps
+# writes non-ASCII text by default (llguidance allows only control characters' escapes otherwise).
+JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": ",
+               "json_allow_general_unicode_escapes": True}
+JSON_OBJECT_SCHEMA = '{"type": "object"}'  # response_format json_object: any JSON object
+CACHE_SIZE = 64  # compiled schemas kept per compiler (a compile is milliseconds; a cached one is a copy)
+BITS = 32  # vocab ids per bitmask word (int32)
+
+
+def bitmask_words(vocab_size: int) -> int:
+    """Int32 words of a bitmask over ``vocab_size`` ids."""
+    return (vocab_size + BITS - 1) // BITS
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Bools [..., vocab_size] (True = allowed) from a bitmask [..., words] int32."""
+    shifts = torch.arange(BITS, dtype=torch.int32, device=bitmask.device)  # [32]
+    bits = (bitmask.unsqueeze(-1) >> shifts) & 1  # [..., words, 32]
+    return bits.flatten(-2)[..., :vocab_size].bool()
+
+
+def mask_logits(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """Logits [..., V] with -inf where ``allowed`` [..., V] (bool) is False; a new tensor. Apply it before the
+    temperature and top-k/top-p warps, to the target's and the drafter's logits alike."""
+    return logits.masked_fill(~allowed, float("-inf"))
+
+
+class Grammar:
+    """A compiled grammar at its start state, bound to one tokenizer; ``start()`` makes a request's state."""
+
+    def __init__(self, matcher: llguidance.LLMatcher, compiler: GrammarCompiler, source: str):
+        self._matcher, self.compiler, self.source = matcher, compiler, source
+
+    def start(self) -> GrammarState:
+        return GrammarState(self._matcher.deep_copy(), self.compiler)
+
+
+class GrammarCompiler:
+    """Compiles JSON schemas for one model's tokenizer; compiled grammars are cached by schema text (thread-safe).
+
+    ``vocab_size`` is the model's logits width (may exceed the tokenizer's; the extra ids are never allowed);
+    ``eos_token_ids`` are the ids that end a request: allowed once the JSON is complete.
+    """
+
+    def __init__(self, tokenizer, *, vocab_size: int, eos_token_ids: Sequence[int]):
+        if not eos_token_ids:
+            raise ValueError("a grammar needs the model's EOS ids (the grammar's end)")
+        self.vocab_size, self.eos_token_ids = vocab_size, sorted(set(eos_token_ids))
+        self._lltok = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=self.eos_token_ids)
+        self._real = torch.zeros(vocab_size, dtype=torch.bool)  # [V] ids the tokenizer has
+        self._real[: min(len(tokenizer), vocab_size)] = True
+        self._real_words = pack_bitmask(self._real)  # [words]
+        self._eos_words = pack_bitmask(torch.isin(torch.arange(vocab_size), torch.tensor(self.eos_token_ids)))
+        self._cache: OrderedDict[str, Grammar] = OrderedDict()
+        self._lock = threading.Lock()
+
+    @property
+    def words(self) -> int:
+        return bitmask_words(self.vocab_size)
+
+    def json_schema(self, schema: str | dict) -> Grammar:
+        """The grammar of JSON documents valid under ``schema`` (text or dict); InvalidGrammarError says why not."""
+        text = schema if isinstance(schema, str) else json.dumps(schema)
+        with self._lock:
+            if (hit := self._cache.get(text)) is not None:
+                self._cache.move_to_end(text)
+                return hit
+        grammar = Grammar(self._compile(text), self, text)
+        with self._lock:
+            self._cache[text] = grammar
+            while len(self._cache) > CACHE_SIZE:
+                self._cache.popitem(last=False)
+        return grammar
+
+    def json_object(self) -> Grammar:
+        """Any JSON object (OpenAI's ``response_format: {type: json_object}``)."""
+        return self.json_schema(JSON_OBJECT_SCHEMA)
+
+    def _compile(self, text: str) -> llguidance.LLMatcher:
+        try:
+            schema = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise InvalidGrammarError(f"the JSON schema is not JSON: {exc}") from None
+        if not isinstance(schema, (dict, bool)):
+            raise InvalidGrammarError(f"a JSON schema is an object or a boolean, not {type(schema).__name__}")
+        try:
+            source = llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=JSON_LAYOUT)
+        except ValueError as exc:
+            raise InvalidGrammarError(f"invalid JSON schema: {exc}") from None
+        matcher = llguidance.LLMatcher(self._lltok, source, log_level=0)  # validates; never raises (see is_error)
+        if matcher.is_error():
+            raise InvalidGrammarError(f"unsupported JSON schema: {matcher.get_error()}")
+        return matcher
+
+
+class GrammarState:
+    """One request's place in its grammar: the mask of allowed next tokens, advance, roll back, fork.
+
+    An EOS id is taken only where the JSON is complete, and ends the state (``is_terminated``); a terminated state
+    allows only EOS ids, so a row past the end still has a finite distribution.
+    """
+
+    def __init__(self, matcher: llguidance.LLMatcher, compiler: GrammarCompiler):
+        self._matcher, self.compiler = matcher, compiler
+        self._eos_at: int | None = None  # tokens consumed when an EOS id was taken (the matcher does not count it)
+        self.n_tokens = 0  # tokens advanced over (EOS included), the limit of rollback
+
+    def fill_bitmask(self, out: torch.Tensor, row: int = 0) -> None:
+        """Write the allowed next tokens into ``out[row]``; out is [rows, words] int32, contiguous, on CPU.
+        llguidance releases the GIL while it computes, so another thread can run this beside a model pass."""
+        if self._eos_at is not None:
+            out[row] = self.compiler._eos_words
+            return
+        llguidance.torch.fill_next_token_bitmask(self._matcher, out, row)
+        out[row] &= self.compiler._real_words
+
+    def bitmask(self) -> torch.Tensor:
+        """The allowed next tokens as a bitmask [words] int32."""
+        out = torch.empty(1, self.compiler.words, dtype=torch.int32)  # [1, words]
+        self.fill_bitmask(out)
+        return out[0]
+
+    def allowed(self) -> torch.Tensor:
+        """The allowed next tokens as bools [vocab_size]."""
+        return unpack_bitmask(self.bitmask(), self.compiler.vocab_size)
+
+    def accepts(self, token: int) -> bool:
+        """Whether the mask allows ``token`` next (what the target and the drafter may sample)."""
+        if not 0 <= token < self.compiler.vocab_size:
+            return False
+        return bool((int(self.bitmask()[token // BITS]) >> (token % BITS)) & 1)
+
+    def advance(self, token: int) -> None:
+        """Take ``token``: any token of the grammar's language, a superset of the mask where the grammar forces
+        bytes (the mask then holds only their first canonical token). GrammarStateError if the grammar forbids it
+        (the state is then unchanged): tokens come from masked distributions, so a forbidden one is a bug upstream."""
+        if not self._grammatical(token):
+            raise GrammarStateError(f"the grammar forbids token {token} after {self.n_tokens} tokens")
+        if token in self.compiler.eos_token_ids:
+            self._eos_at = self.n_tokens
+        elif not self._matcher.consume_token(token):
+            raise GrammarStateError(f"the grammar refused token {token}: {self._matcher.get_error()}")
+        self.n_tokens += 1
+
+    def _grammatical(self, token: int) -> bool:
+        if self._eos_at is not None or not 0 <= token < self.compiler.vocab_size or not self.compiler._real[token]:
+            return False
+        if token in self.compiler.eos_token_ids:
+            return self._matcher.is_accepting()
+        return self._matcher.validate_tokens([token]) == 1
+
+    def advance_many(self, tokens: Sequence[int]) -> None:
+        for token in tokens:
+            self.advance(token)
+
+    def rollback(self, n: int) -> None:
+        """Undo the last ``n`` advances (a rejected draft suffix)."""
+        if not 0 <= n <= self.n_tokens:
+            raise GrammarStateError(f"cannot roll back {n} of {self.n_tokens} tokens")
+        if n == 0:
+            return
+        if self._eos_at is not None:  # the EOS is always the last token taken
+            self._eos_at, self.n_tokens, n = None, self.n_tokens - 1, n - 1
+        if n and not self._matcher.rollback(n):
+            raise GrammarStateError(f"the grammar could not roll back {n} tokens: {self._matcher.get_error()}")
+        self.n_tokens -= n
+
+    def is_accepting(self) -> bool:
+        """The tokens so far are a complete document (an EOS id may come next)."""
+        return self._eos_at is not None or self._matcher.is_accepting()
+
+    def is_terminated(self) -> bool:
+        """Nothing but the end may follow: an EOS id was taken, or the document is complete and admits no more."""
+        return self._eos_at is not None or self._matcher.is_stopped()
+
+    def fork(self) -> GrammarState:
+        """An independent copy (same grammar, same place)."""
+        twin = GrammarState(self._matcher.deep_copy(), self.compiler)
+        twin._eos_at, twin.n_tokens = self._eos_at, self.n_tokens
+        return twin
+
+    def tree_masks(self, tokens: Sequence[int], parents: Sequence[int],
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+        """Bitmasks [1 + n, words] of a draft tree of n nodes: row 0 is this state's mask, row i the mask after the
+        path to node i - 1 (its ancestors' tokens, then its own). ``tokens[i]`` is node i's token and
+        ``parents[i]`` its parent's row (0 = this state), parents before children (services.tree's layout).
+        Row r masks the logits that row r scores (the next token after its path), the target's and the drafter's.
+        Every node's token must be allowed after its parent (drafts come from masked q: GrammarStateError if not).
+        The state is the same afterwards."""
+        if len(tokens) != len(parents):
+            raise GrammarStateError(f"{len(tokens)} tree tokens but {len(parents)} parents")
+        out = torch.empty(1 + len(tokens), self.compiler.words, dtype=torch.int32) if out is None else out
+        self.fill_bitmask(out, 0)
+        path: list[int] = []  # rows advanced over, from row 0 down
+        try:
+            for i, (token, parent) in enumerate(zip(tokens, parents)):
+                if not 0 <= parent <= i:
+                    raise GrammarStateError(f"tree node {i}'s parent is row {parent}; a parent precedes its child")
+                wanted = _ancestors(parents, parent)  # rows from row 0 to the parent, row 0 excluded
+                keep = _common_prefix(path, wanted)
+                self.rollback(len(path) - keep)
+                del path[keep:]
+                for row in wanted[keep:]:
+                    self.advance(tokens[row - 1])
+                    path.append(row)
+                self.advance(token)
+                path.append(i + 1)
+                self.fill_bitmask(out, i + 1)
+        finally:
+            self.rollback(len(path))
+        return out
+
+
+def pack_bitmask(allowed: torch.Tensor) -> torch.Tensor:
+    """A bitmask [words] int32 from bools [V] (the inverse of ``unpack_bitmask``)."""
+    words = bitmask_words(allowed.shape[-1])
+    bits = torch.zeros(words * BITS, dtype=torch.int64)  # [words * 32]
+    bits[: allowed.shape[-1]] = allowed.long()
+    weights = torch.ones(BITS, dtype=torch.int64) << torch.arange(BITS)  # [32]
+    packed = (bits.view(words, BITS) * weights).sum(-1)  # [words] in 0 .. 2^32 - 1
+    return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
+
+
+def _ancestors(parents: Sequence[int], row: int) -> list[int]:
+    """Rows from the root's child down to ``row`` (empty for row 0)."""
+    path = []
+    while row:
+        path.append(row)
+        row = parents[row - 1]
+    return path[::-1]
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    while n < len(a) and n < len(b) and a[n] == b[n]:
+        n += 1
+    return n
