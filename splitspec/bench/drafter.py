@@ -50,13 +50,14 @@ DEFAULT_KS = (1, 2, 3, 4, 5, 6)
 
 
 def acceptance_by_position(results: list[GenerationResult], k: int) -> list[float]:
-    """Per draft position j = 1..k: accepted at j / steps that drafted at least j tokens (a tree: j deep)."""
+    """Per draft position j = 1..k: accepted at j / steps that drafted at least j tokens (a tree: j deep; a hybrid's
+    lookup chain may go deeper than k: positions past k are left out)."""
     drafted, accepted = [0] * k, [0] * k
     for result in results:
         for n in result.depth_per_step:
-            for j in range(n):
+            for j in range(min(n, k)):
                 drafted[j] += 1
-        for j, count in enumerate(result.stats.accepted_per_position):
+        for j, count in enumerate(result.stats.accepted_per_position[:k]):
             accepted[j] += count
     return [accepted[j] / drafted[j] if drafted[j] else 0.0 for j in range(k)]
 
