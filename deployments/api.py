@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 from deployments.config import AppConfig
 from services.drafters import MODEL_DRAFTER, kinds
 from services.errors import InvalidRequestError
-from services.loop import FINISH_LENGTH, FINISH_STOP, SpeculationStats
+from services.logprobs import TokenLogprob
+from services.loop import FINISH_LENGTH, FINISH_STOP, SpeculationStats, StepOutput
 from services.sampling import SamplingParams
 from services.text import encode_prompt, validate_stop
 from services.validation import validate_max_new_tokens, validate_num_draft_tokens, validate_prompt
@@ -49,6 +50,23 @@ class Plan:
         return self.speculate and not self.declined
 
 
+@dataclass
+class Answer:
+    """A whole answer, as the ingress collects it from the steps' kept tokens and new text."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str = ""
+    logprobs: list[TokenLogprob] | None = None  # per token, where the request asks for them
+
+    def add(self, step: StepOutput, token_ids: list[int], text: str) -> None:
+        self.text += text
+        self.token_ids += token_ids
+        self.finish_reason = step.finish_reason or self.finish_reason
+        if step.logprobs is not None:
+            self.logprobs = (self.logprobs or []) + step.logprobs
+
+
 class Timer:
     """One request's server-side timings (pb.Timings)."""
 
@@ -85,6 +103,7 @@ def parse(request, config: AppConfig, tokenizer, *, max_context: int, vocab_size
         top_k=int(request.top_k),
         top_p=float(request.top_p) if request.HasField("top_p") else 1.0,
         seed=int(request.seed) if request.HasField("seed") else None,
+        logprobs=requested_logprobs(request),
     ).validate()
     max_new_tokens = request.max_new_tokens if request.HasField("max_new_tokens") else config.limits.default_max_new_tokens
     validate_max_new_tokens(
@@ -121,6 +140,22 @@ def parse(request, config: AppConfig, tokenizer, *, max_context: int, vocab_size
         adaptive=adaptive,
         overlap=policy.overlap if policy.HasField("overlap") else defaults.overlap,
     )
+
+
+def requested_logprobs(request) -> int | None:
+    """``SamplingParams.logprobs`` of a request: None without ``logprobs``, else the alternatives it asks for."""
+    if not request.logprobs:
+        if request.top_logprobs:
+            raise InvalidRequestError("top_logprobs needs logprobs: set logprobs to true as well")
+        return None
+    return int(request.top_logprobs)
+
+
+def logprobs(entries: list[TokenLogprob] | None) -> list[pb.TokenLogprob]:
+    """The wire form of the emitted tokens' logprobs (none where the request did not ask for them)."""
+    return [pb.TokenLogprob(token_id=e.token_id, logprob=e.logprob,
+                            top_logprobs=[pb.TopLogprob(token_id=t, logprob=v) for t, v in e.top])
+            for e in entries or ()]
 
 
 def check_size(request, config: AppConfig) -> None:

@@ -144,7 +144,8 @@ class Decoder:
         handoff = await self.stages.retrying(plan, "prefill", lambda: self.prefill.prefill.remote(
             resume.ids, resume.params, features))
         if resume.last_token is not None:
-            handoff = dataclasses.replace(handoff, first_token=resume.last_token)  # (prefill's own is not used)
+            # (prefill's own token is not used, nor its logprob: the stream's first step, that last token, is skipped)
+            handoff = dataclasses.replace(handoff, first_token=resume.last_token, first_logprob=None)
             s.skip_first = True
         return handoff, resume.params, spec
 

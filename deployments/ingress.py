@@ -57,6 +57,7 @@ class SpecDecodeIngress(OpenAIRoutes):
         self.model_id = self.config.models.served_name or target_dir.name  # the OpenAI API's model
         self.created = int(time.time())
         self.max_context = self.target.max_context
+        self.tokenizer = self.target.tokenizer
         check_tokenizers(self.target, draft_dir)
         has_head = eagle_draft.find(draft_dir) is not None  # the drafter loads it (and checks it fits the target)
         self.drafters = tuple(name for name, kind in drafters.kinds().items() if kind.needs != "head" or has_head)
@@ -80,7 +81,7 @@ class SpecDecodeIngress(OpenAIRoutes):
         try:
             self.authenticate(grpc_context.invocation_metadata())
             plan = await self.plan(request)
-            text, token_ids, finish_reason = await self.collect(plan, timer, deadline)
+            answer = await self.collect(plan, timer, deadline)
         except asyncio.CancelledError:
             self.metrics.finished("Generate", grpc.StatusCode.CANCELLED.name)
             raise
@@ -89,12 +90,13 @@ class SpecDecodeIngress(OpenAIRoutes):
         self.metrics.finished("Generate", "ok", timer.seconds())
         return pb.GenerateResponse(
             request_id=plan.request_id,
-            text=text,
-            token_ids=token_ids,
-            finish_reason=api.FINISH_REASONS[finish_reason],
-            usage=api.usage(plan, len(token_ids)),
+            text=answer.text,
+            token_ids=answer.token_ids,
+            finish_reason=api.FINISH_REASONS[answer.finish_reason],
+            usage=api.usage(plan, len(answer.token_ids)),
             speculation_stats=api.speculation_stats(plan),
             timings=timer.timings(),
+            logprobs=api.logprobs(answer.logprobs),
         )
 
     async def GenerateStream(self, request: pb.GenerateStreamRequest, grpc_context) -> AsyncIterator[pb.GenerateStreamResponse]:
@@ -112,6 +114,7 @@ class SpecDecodeIngress(OpenAIRoutes):
                     token_ids=token_ids,
                     accepted_tokens=step.n_matches,
                     drafted_tokens=step.n_drafted,
+                    logprobs=api.logprobs(step.logprobs),
                 )
                 if step.finish_reason:
                     chunk.finish_reason = api.FINISH_REASONS[step.finish_reason]
@@ -166,18 +169,19 @@ class SpecDecodeIngress(OpenAIRoutes):
         return await asyncio.get_running_loop().run_in_executor(self._tokenizing, self._parse, request)
 
     def text_steps(self, plan: api.Plan, timer: api.Timer, deadline: float) -> AsyncIterator[tuple[StepOutput, list[int], str]]:
-        """Each step's kept tokens and new text, cut at the first stop sequence, until ``deadline``
+        """Each step's kept tokens and new text, cut at the first stop sequence (and its ``logprobs``, where the
+        request asks for them, cut to the kept tokens), until ``deadline``
         (time.monotonic()), also while a step is awaited: then the request's sessions are closed and
         RequestDeadlineError is raised."""
         return _before(deadline, self._text_steps(plan, timer), lambda: RequestDeadlineError(
             f"the request ran past limits.request_timeout_s ({self.config.limits.request_timeout_s:g}s)"))
 
-    async def collect(self, plan: api.Plan, timer: api.Timer, deadline: float) -> tuple[str, list[int], str]:
-        """The whole answer: text, token ids and finish reason."""
-        text, token_ids, finish_reason = "", [], ""
+    async def collect(self, plan: api.Plan, timer: api.Timer, deadline: float) -> api.Answer:
+        """The whole answer: text, token ids, finish reason (and logprobs, where the request asks for them)."""
+        answer = api.Answer()
         async for step, ids, delta in self.text_steps(plan, timer, deadline):
-            text, token_ids, finish_reason = text + delta, token_ids + ids, step.finish_reason or finish_reason
-        return text, token_ids, finish_reason
+            answer.add(step, ids, delta)
+        return answer
 
     async def serving(self) -> bool:
         """The prefill and verify stages can be placed and each has a replica that answers (Check, /health)."""
@@ -199,6 +203,8 @@ class SpecDecodeIngress(OpenAIRoutes):
         try:
             async for i, step in _enumerate(steps):
                 ids, text = stream.push(step.token_ids)
+                if step.logprobs is not None:  # (those of the kept tokens)
+                    step.logprobs = step.logprobs[: len(ids)]
                 if stream.stopped:
                     step.finish_reason = api.FINISH_STOP_SEQUENCE
                 if step.finish_reason:

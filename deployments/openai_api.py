@@ -45,6 +45,7 @@ class Ingress(Protocol):
     model_id: str  # the served model's name
     created: int  # when it was started (unix seconds)
     max_context: int  # the target's context window
+    tokenizer: object  # the target's: the token texts of logprobs
 
     def authenticate(self, metadata) -> None: ...
 
@@ -52,7 +53,7 @@ class Ingress(Protocol):
 
     def text_steps(self, plan: api.Plan, timer: api.Timer, deadline: float) -> AsyncIterator: ...
 
-    async def collect(self, plan: api.Plan, timer: api.Timer, deadline: float) -> tuple[str, list[int], str]: ...
+    async def collect(self, plan: api.Plan, timer: api.Timer, deadline: float) -> api.Answer: ...
 
     async def serving(self) -> bool: ...
 
@@ -105,20 +106,22 @@ class OpenAIRoutes:
             plan = await self.plan(message)
             options = body.stream_options or protocol.StreamOptions()
             completion = protocol.Completion(chat, plan, self.model_id, include_usage=options.include_usage,
-                                             continuous_usage=options.include_usage and options.continuous_usage_stats)
+                                             continuous_usage=options.include_usage and options.continuous_usage_stats,
+                                             tokenizer=self.tokenizer)
             if body.stream:
                 steps = self.text_steps(plan, timer, deadline)
                 first = await anext(steps)  # prefill's token: what fails up to here still gets its HTTP status
                 return StreamingResponse(self._events(method, completion, first, steps, timer),
                                          media_type="text/event-stream")
-            text, token_ids, finish_reason = await self.collect(plan, timer, deadline)
+            answer = await self.collect(plan, timer, deadline)
         except asyncio.CancelledError:
             self.metrics.finished(method, "CANCELLED")
             raise
         except Exception as exc:  # noqa: BLE001 - every error becomes its HTTP status here
             return _error_response(exc, self.metrics, method)
         self.metrics.finished(method, "ok", timer.seconds())
-        return JSONResponse(completion.response(text, finish_reason, len(token_ids), timer.timings()))
+        return JSONResponse(completion.response(answer.text, answer.finish_reason, len(answer.token_ids), timer.timings(),
+                                                answer.logprobs))
 
     async def _events(self, method: str, completion: protocol.Completion, first, steps: AsyncIterator,
                       timer: api.Timer) -> AsyncIterator[str]:
@@ -132,8 +135,8 @@ class OpenAIRoutes:
             while item is not None:
                 step, token_ids, text = item
                 completion_tokens += len(token_ids)
-                if text:
-                    yield _event(completion.chunk(text, completion_tokens=completion_tokens))
+                if text or step.logprobs:  # (a step whose text is held back still sends its tokens' logprobs)
+                    yield _event(completion.chunk(text, completion_tokens=completion_tokens, logprobs=step.logprobs))
                 if step.finish_reason:
                     yield _event(completion.chunk(None, step.finish_reason, completion_tokens=completion_tokens)
                                  | protocol.extensions(completion.plan, timer.timings()))

@@ -2,8 +2,10 @@
 
 Pure translation, no Ray and no HTTP: a body becomes a ``pb.GenerateRequest`` that the gRPC methods' validation
 (``deployments.api.parse``) and loop take as they are, so the HTTP API decodes exactly as gRPC does. Fields of the
-OpenAI API that splitspec cannot honour (n > 1, logprobs, tools, penalties, ...) are refused with a 400 that names
-them; fields that change nothing about the output (``user``, ``metadata``, ``store``, ...) are ignored, as vLLM does.
+OpenAI API that splitspec cannot honour (n > 1, tools, penalties, ...) are refused with a 400 that names them; fields
+that change nothing about the output (``user``, ``metadata``, ``store``, ...) are ignored, as vLLM does. Logprobs are
+the target's (services.logprobs), in the chat API's shape (``logprobs.content``) or the legacy completions one
+(``tokens``, ``token_logprobs``, ``top_logprobs``, ``text_offset``).
 """
 
 from __future__ import annotations
@@ -17,7 +19,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from deployments import api
 from services.errors import InvalidRequestError
+from services.logprobs import TokenLogprob
 from services.loop import FINISH_LENGTH, FINISH_STOP
+from services.sampling import MAX_TOP_LOGPROBS
+from services.text import token_pieces
 from splitspec.api.v1 import splitspec_pb2 as pb
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # the OpenAI API's default for /v1/completions (chat: the server's default)
@@ -94,7 +99,7 @@ class ChatCompletionRequest(_Sampling):
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description="with logprobs: alternatives a token")
     tools: list[Any] | None = None
     tool_choice: Any = None
     functions: list[Any] | None = None
@@ -104,7 +109,7 @@ class ChatCompletionRequest(_Sampling):
 class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = Field(COMPLETIONS_DEFAULT_MAX_TOKENS, ge=1)
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description="the legacy API's: alternatives a token")
     echo: bool | None = False
     suffix: str | None = None
     best_of: int | None = None
@@ -128,11 +133,9 @@ def _refuse_unsupported(body: _Sampling) -> None:
         "presence_penalty": bool(body.presence_penalty),
         "frequency_penalty": bool(body.frequency_penalty),
         "logit_bias": bool(body.logit_bias),
-        "logprobs": bool(body.logprobs) if isinstance(body, ChatCompletionRequest) else body.logprobs is not None,
     }
     if isinstance(body, ChatCompletionRequest):
         unsupported |= {
-            "top_logprobs": body.top_logprobs is not None,
             "tools": bool(body.tools),
             "tool_choice": body.tool_choice not in (None, "none"),
             "functions": bool(body.functions),
@@ -164,9 +167,11 @@ def generate_request(body: _Sampling, request_id: str) -> pb.GenerateRequest:
     if isinstance(body, ChatCompletionRequest):
         request.messages.extend(pb.ChatMessage(role=_role(m.role), content=_text(m)) for m in body.messages)
         max_tokens = body.max_completion_tokens or body.max_tokens
+        request.logprobs, request.top_logprobs = bool(body.logprobs), body.top_logprobs or 0
     else:
         request.prompt = _prompt(body.prompt)
         max_tokens = body.max_tokens
+        request.logprobs, request.top_logprobs = body.logprobs is not None, body.logprobs or 0
     if max_tokens is not None:
         request.max_new_tokens = min(max_tokens, 2**32 - 1)  # (api.parse refuses what exceeds the server's limit)
     if body.speculation is not None:
@@ -226,32 +231,61 @@ class Completion:
     """Responses of one request, chat (``chat.completion``) or text (``text_completion``); ids as OpenAI's."""
 
     def __init__(self, chat: bool, plan: api.Plan, model: str, *, include_usage: bool = False,
-                 continuous_usage: bool = False):
+                 continuous_usage: bool = False, tokenizer=None):
         self.chat, self.plan, self.model = chat, plan, model
         self.include_usage = include_usage  # stream_options.include_usage: chunks carry "usage": null, the last one it
         self.continuous_usage = continuous_usage  # stream_options.continuous_usage_stats: each chunk the usage so far
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{plan.request_id}"
         self.created = int(time.time())
+        self.tokenizer = tokenizer  # the token texts of logprobs (a request that asks for them)
+        self.text_offset = 0  # the legacy logprobs' text_offset: characters of the token texts so far
+
+    def logprobs(self, entries: list[TokenLogprob] | None) -> dict | None:
+        """A choice's ``logprobs`` for ``entries`` (the next tokens'); None where the request did not ask."""
+        if self.plan.params.logprobs is None:
+            return None
+        entries = entries or []
+        ids = [e.token_id for e in entries] + [t for e in entries for t, _ in e.top]
+        pieces = dict(zip(ids, token_pieces(self.tokenizer, ids)))  # id -> (text, bytes)
+        if self.chat:
+            def described(token: int, logprob: float) -> dict:
+                text, raw = pieces[token]
+                return {"token": text, "logprob": logprob, "bytes": list(raw)}
+
+            return {"content": [described(e.token_id, e.logprob) | {"top_logprobs": [described(*t) for t in e.top]}
+                                for e in entries]}
+        offsets = []
+        for e in entries:
+            offsets.append(self.text_offset)
+            self.text_offset += len(pieces[e.token_id][0])
+        # the legacy top_logprobs: the position's likeliest tokens and the sampled one, by text
+        tops = [{pieces[t][0]: v for t, v in e.top} | {pieces[e.token_id][0]: e.logprob} for e in entries]
+        return {"tokens": [pieces[e.token_id][0] for e in entries], "token_logprobs": [e.logprob for e in entries],
+                "top_logprobs": tops, "text_offset": offsets}
 
     def _head(self, chunk: bool) -> dict:
         kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
 
-    def response(self, text: str, finish_reason: str, completion_tokens: int, timings: pb.Timings) -> dict:
+    def response(self, text: str, finish_reason: str, completion_tokens: int, timings: pb.Timings,
+                 logprobs: list[TokenLogprob] | None = None) -> dict:
+        """The whole answer; ``logprobs``: its tokens' (where the request asks for them)."""
         content = {"message": {"role": "assistant", "content": text}} if self.chat else {"text": text}
-        choice = {"index": 0, **content, "logprobs": None, "finish_reason": FINISH[finish_reason]}
+        choice = {"index": 0, **content, "logprobs": self.logprobs(logprobs), "finish_reason": FINISH[finish_reason]}
         return {**self._head(False), "choices": [choice], "usage": usage(self.plan, completion_tokens),
                 **extensions(self.plan, timings)}
 
-    def chunk(self, text: str | None, finish_reason: str = "", *, role: bool = False, completion_tokens: int = 0) -> dict:
-        """One streamed chunk: new text (chat: ``role`` opens the message) and, last, the finish reason;
-        ``completion_tokens``: sent so far (with continuous usage)."""
+    def chunk(self, text: str | None, finish_reason: str = "", *, role: bool = False, completion_tokens: int = 0,
+              logprobs: list[TokenLogprob] | None = None) -> dict:
+        """One streamed chunk: new text (chat: ``role`` opens the message) and its tokens' ``logprobs`` (where the
+        request asks for them) and, last, the finish reason; ``completion_tokens``: sent so far (with continuous usage)."""
         if self.chat:
             delta = {"role": "assistant", "content": text or ""} if role else {} if text is None else {"content": text}
             choice = {"index": 0, "delta": delta}
         else:
             choice = {"index": 0, "text": text or ""}
-        choice |= {"logprobs": None, "finish_reason": FINISH[finish_reason] if finish_reason else None}
+        described = self.logprobs(logprobs) if logprobs is not None else None
+        choice |= {"logprobs": described, "finish_reason": FINISH[finish_reason] if finish_reason else None}
         if self.continuous_usage:
             return {**self._head(True), "choices": [choice], "usage": usage(self.plan, completion_tokens)}
         return {**self._head(True), "choices": [choice], **({"usage": None} if self.include_usage else {})}

@@ -37,6 +37,7 @@ from deployments.priority import EnginePriority, set_thread_nice
 from services import eagle_draft
 from services.draft import DraftEngine, DraftProposal, ProposeCall
 from services.loading import DTYPES, LoadedModel, check_device, config_of, load_causal_lm, load_head_parts, set_num_threads
+from services.logprobs import TokenLogprob
 from services.prefill import PrefillCall, PrefillEngine, PrefillProgress
 from services.runner import warm_up
 from services.sampling import SamplingParams
@@ -59,6 +60,7 @@ class KVHandoff:
     # the prompt's last positions, left to the verify session's first step (a prefix-cache hit that left at most
     # limits.local_prefill_tokens of them: services.prefill.PrefillCall.local_tokens); the KV is of those before
     prompt_rest: list[int] = field(default_factory=list)
+    first_logprob: TokenLogprob | None = None  # the first token's, where the request asks for logprobs
 
 
 @dataclass
@@ -294,7 +296,7 @@ class Prefill(_Stage):
         ref = ray.put(result.payload)  # zero-copy for a verifier on this node; one transfer to another node
         feature_refs = [ray.put(result.features)] if result.features is not None else []
         return KVHandoff(result.first_token, [ref], result.payload.nbytes, put_at, ray.get_runtime_context().get_node_id(),
-                         feature_refs, result.prompt_rest)
+                         feature_refs, result.prompt_rest, result.first_logprob)
 
 
 @serve.deployment(name="Draft")

@@ -267,17 +267,19 @@ class Verify(_Stage):
                 drafting = (RemoteDrafting(self.draft, request_id, self.config.limits.stage_timeout_s) if self.remote
                             else LocalDrafting(self, request_id))
                 starting = asyncio.ensure_future(drafting.start(spec.prompt_ids, params, policy.drafter, handoff))
-            first_token = handoff.first_token
+            first_token, first_logprob = handoff.first_token, handoff.first_logprob
             if first_token is None:  # the prompt's last positions: the session's first step computes them
                 await self.faults.point("verify")
-                (first_token,) = (await self.batcher.submit(self._verify_call(request_id, []))).token_ids
+                first = await self.batcher.submit(self._verify_call(request_id, []))
+                (first_token,), first_logprob = first.token_ids, (first.logprobs or [None])[0]
             del handoff  # (the prefill's KV and features are held by the sessions now)
             adaptive = self._adaptive_k(policy) if drafting is not None else None
             loop = SpeculativeLoop(first_token, max_new_tokens=spec.max_new_tokens, eos=set(spec.eos),
                                    num_draft_tokens=policy.num_draft_tokens, drafting=drafting is not None,
                                    policy=adaptive, overlap=policy.overlap, guesses=policy.guesses,
                                    tree_width=policy.tree_width, chained=isinstance(drafting, LocalDrafting),
-                                   costs=self.costs[policy.drafter] if drafting is not None else None)
+                                   costs=self.costs[policy.drafter] if drafting is not None else None,
+                                   first_logprob=first_logprob)
             first = loop.advance()  # the first token goes out while the drafter starts
             outputs.put_nowait(first)
             emitted += first.token_ids

@@ -42,6 +42,7 @@ import torch
 from services import drafters
 from services.draft import DraftEngine, DraftProposal
 from services.drafters import MODEL_DRAFTER
+from services.logprobs import TokenLogprob
 from services.policy import AdaptiveK, CostModel, decide
 from services.prefill import PrefillEngine
 from services.sampling import SamplingParams
@@ -64,6 +65,7 @@ class StepOutput:
     finish_reason: str | None = None
     pre_drafted: bool = False  # the drafter pre-drafted while this step's block was verified
     pre_draft_hit: bool = False  # and the verdict was one it guessed: its block is the next one
+    logprobs: list[TokenLogprob] | None = None  # per token of token_ids, the target's (SamplingParams.logprobs)
 
 
 @dataclass
@@ -117,6 +119,7 @@ class GenerationResult:
     token_ids: list[int]
     finish_reason: str
     stats: SpeculationStats
+    logprobs: list[TokenLogprob] | None = None  # per token, where the request asks for them
 
 
 # -- what the loop asks of the stages, and what it is told ---------------------------------------
@@ -174,8 +177,9 @@ class SpeculativeLoop:
     def __init__(self, first_token: int, *, max_new_tokens: int, eos: set[int], num_draft_tokens: int,
                  drafting: bool, policy: AdaptiveK | None = None, overlap: bool = False, guesses: int = 1,
                  stats: SpeculationStats | None = None, tree_width: int = 1, chained: bool = False,
-                 costs: CostModel | None = None):
+                 costs: CostModel | None = None, first_logprob: TokenLogprob | None = None):
         self.first_token = first_token
+        self.first_logprob = first_logprob  # the first token's, where the request asks for logprobs
         self.max_new_tokens = max_new_tokens
         self.eos = eos
         self.num_draft_tokens = num_draft_tokens  # k, or the largest k when ``policy`` picks it
@@ -211,7 +215,8 @@ class SpeculativeLoop:
     def run(self) -> Generator[StepOutput | Calls, Results | None, None]:
         accepts = [Accept(0, self.first_token)]  # verdicts the drafter has not seen: it continues from prefill's token
         block, block_probs, parents = [], None, None  # the next block to verify: pre-drafted on a hit; its tree
-        generated, step = 0, StepOutput([self.first_token])
+        first_logprobs = [self.first_logprob] if self.first_logprob is not None else None
+        generated, step = 0, StepOutput([self.first_token], logprobs=first_logprobs)
         caught_up = False  # the drafter had seen every verdict but the last at its last proposal (not so at first: the prompt)
         step_start, calls_s = 0.0, None  # when the last step began; seconds of its stage calls (None: not timed)
         while True:
@@ -267,7 +272,8 @@ class SpeculativeLoop:
                 if pre_draft is not None:
                     accepts = []
                 accepts += drafter_accepts(verdict, chain)
-            step = StepOutput(verdict.token_ids, len(block), verdict.n_matches, verdict.accepted)
+            step = StepOutput(verdict.token_ids, len(block), verdict.n_matches, verdict.accepted,
+                              logprobs=verdict.logprobs)
             block, block_probs, parents = [], None, None
             if pre_draft is not None and self.drafting:
                 step.pre_drafted = True
@@ -308,6 +314,8 @@ def finish_step(step: StepOutput, generated: int, max_new_tokens: int, eos: set[
         tokens = tokens[: max_new_tokens - generated]
         step.finish_reason = step.finish_reason or FINISH_LENGTH
     step.token_ids = tokens
+    if step.logprobs is not None:
+        step.logprobs = step.logprobs[: len(tokens)]
     return step, generated + len(tokens)
 
 
@@ -362,9 +370,10 @@ def speculative_decode(
         #    the session's first step computes them and draws the first token)
         verify.open(request_id, result.payload, result.first_token, params, features=features,
                     prompt_rest=result.prompt_rest)
-        first_token = result.first_token
+        first_token, first_logprob = result.first_token, result.first_logprob
         if first_token is None:
-            (first_token,) = verify.verify(request_id, []).token_ids
+            first = verify.verify(request_id, [])
+            (first_token,), first_logprob = first.token_ids, (first.logprobs or [None])[0]
         # (the server's rule, services.policy.decide: pre-drafting where the drafter runs beside the verifier — here
         # in a thread of its own — and trees for greedy requests that do not pre-draft)
         decided = decide(drafter if draft is not None else "", num_draft_tokens, adaptive=policy is not None,
@@ -372,7 +381,7 @@ def speculative_decode(
         loop = SpeculativeLoop(first_token, max_new_tokens=max_new_tokens, eos=target.eos_token_ids,
                                num_draft_tokens=num_draft_tokens, drafting=draft is not None, policy=policy,
                                overlap=decided.overlap, guesses=guesses or decided.guesses, stats=stats,
-                               tree_width=decided.tree_width, chained=chained)
+                               tree_width=decided.tree_width, chained=chained, first_logprob=first_logprob)
         yield from drive(loop, draft, verify, request_id, pool)
     finally:
         if pool is not None:
@@ -454,9 +463,12 @@ async def execute_async(calls: Calls, propose: Callable[[Propose], Awaitable[Dra
 def generate(*args, **kwargs) -> GenerationResult:
     """Run ``speculative_decode`` to the end and collect its tokens and statistics."""
     tokens: list[int] = []
+    logprobs: list[TokenLogprob] | None = None
     stats = SpeculationStats()
     finish_reason = FINISH_LENGTH
     for step in speculative_decode(*args, stats=stats, **kwargs):
         tokens += step.token_ids
+        if step.logprobs is not None:
+            logprobs = (logprobs or []) + step.logprobs
         finish_reason = step.finish_reason or finish_reason
-    return GenerationResult(tokens, finish_reason, stats)
+    return GenerationResult(tokens, finish_reason, stats, logprobs)

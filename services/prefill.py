@@ -11,9 +11,10 @@ import torch
 from services.errors import SessionNotFoundError
 from services.kv import KVPayload
 from services.loading import LoadedModel
+from services.logprobs import TokenLogprob, token_logprobs
 from services.prefix_cache import PrefixCache, PrefixHit
 from services.runner import make_runner
-from services.sampling import SamplingParams, logits_to_probs, make_generator, sample
+from services.sampling import SamplingParams, argmax_ids, logits_to_probs, make_generator, sample
 from services.validation import validate_prompt
 
 PREFILL_STREAM = 0  # random stream of the first token (see sampling.make_generator)
@@ -53,15 +54,21 @@ class PrefillResult:
     # the prompt's last positions, not computed here (``PrefillCall.local_tokens``): the payload holds the KV before
     # them, and the verifier computes them in its session's first step, which draws the first token
     prompt_rest: list[int] = field(default_factory=list)
+    first_logprob: TokenLogprob | None = None  # the first token's (``SamplingParams.logprobs``; services.logprobs)
 
 
-def draw_first_token(logits: torch.Tensor, params: SamplingParams) -> int:  # [1, vocab_size] ([1] argmax id if greedy)
+def draw_first_token(logits: torch.Tensor, params: SamplingParams) -> int:  # [1, vocab_size] ([1] argmax id if argmax_only)
     """The token after the prompt, from the logits of its last position: the argmax, or a sample drawn from the
     request's own random stream for it (``PREFILL_STREAM``)."""
     if params.greedy:
-        return int(logits[0])  # (the argmax id)
+        return int(argmax_ids(logits)[0])
     probs = logits_to_probs(logits, params)  # [1, vocab_size]
     return int(sample(probs, make_generator(params.seed, PREFILL_STREAM))[0])
+
+
+def first_token_logprob(logits: torch.Tensor, token: int, params: SamplingParams) -> TokenLogprob | None:  # [1, V]
+    """The first token's logprob where the request asks for logprobs (then ``logits`` are logits, not ids)."""
+    return token_logprobs(logits, [token], params)[0] if params.logprobs is not None else None
 
 
 class PrefillEngine:
@@ -123,8 +130,8 @@ class PrefillEngine:
             return results
         all_logits, all_features = self.runner.forward_batch(
             [(torch.tensor(ids), cache) for _, _, ids, cache, _ in checked], last_only=True,
-            greedy=[call.params.greedy for _, call, *_ in checked],
-        )  # per prompt: [1, vocab_size] ([1] argmax id if greedy), [rows, hidden]
+            greedy=[call.params.argmax_only for _, call, *_ in checked],
+        )  # per prompt: [1, vocab_size] ([1] argmax id if argmax_only), [rows, hidden]
         for (slot, call, ids, cache, feats), logits, chunk_features in zip(checked, all_logits, all_features):
             try:
                 results[slot] = self._after_pass(call, ids, cache, feats, logits, chunk_features)
@@ -142,10 +149,12 @@ class PrefillEngine:
         if done < len(call.prompt_ids):
             self._partial[call.request_id] = (cache, feats)
             return PrefillProgress(done)
+        first_token = draw_first_token(logits, call.params)
         result = PrefillResult(
-            first_token=draw_first_token(logits, call.params),
+            first_token=first_token,
             payload=cache.export(self.target.fingerprint),
             features=torch.cat(feats) if call.features else None,  # [n, hidden]
+            first_logprob=first_token_logprob(logits, first_token, call.params),
         )
         if self.prefix_cache is not None:
             self.prefix_cache.insert(call.prompt_ids, result.payload, result.features)

@@ -31,6 +31,7 @@ from services.errors import InvalidRequestError
 
 # Temperatures at or below this are treated as greedy decoding.
 GREEDY_TEMPERATURE = 0.0
+MAX_TOP_LOGPROBS = 20  # most likely alternatives a request may ask for per token (the OpenAI API's limit)
 
 
 @dataclass(frozen=True)
@@ -41,10 +42,18 @@ class SamplingParams:
     top_k: int = 0  # 0 = no top-k truncation
     top_p: float = 1.0  # 1 = no nucleus truncation
     seed: int | None = None  # per-request seed for reproducible samples
+    # the target's log-probability of each emitted token and of its n most likely alternatives (services.logprobs);
+    # None = none. Changes no token: only what the target's pass returns besides them
+    logprobs: int | None = None
 
     @property
     def greedy(self) -> bool:
         return self.temperature <= GREEDY_TEMPERATURE
+
+    @property
+    def argmax_only(self) -> bool:
+        """Greedy without logprobs: each row's argmax id is all a target pass must return (``kernels.greedy_head``)."""
+        return self.greedy and self.logprobs is None
 
     def validate(self) -> "SamplingParams":
         """Raise InvalidRequestError with a user-facing message if out of range."""
@@ -60,6 +69,8 @@ class SamplingParams:
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if self.seed is not None and not isinstance(self.seed, int):
             raise InvalidRequestError(f"seed must be an integer, got {self.seed!r}")
+        if self.logprobs is not None and (type(self.logprobs) is not int or not 0 <= self.logprobs <= MAX_TOP_LOGPROBS):
+            raise InvalidRequestError(f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs!r}")
         return self
 
 
@@ -119,6 +130,12 @@ def logits_to_probs(
         probs = torch.zeros_like(probs).scatter_(-1, sorted_idx, sorted_probs)
         probs = probs / probs.sum(dim=-1, keepdim=True)
     return probs.float()
+
+
+def argmax_ids(rows: torch.Tensor) -> torch.Tensor:  # [n] argmax ids, or [n, vocab_size] logits -> [n] token ids
+    """The target's argmax of each row: a pass's rows as they came (ids where it computed only those:
+    ``SamplingParams.argmax_only``), else of their logits (the same ids: ``FastLlamaRunner.argmax``)."""
+    return rows if rows.dim() == 1 else rows.argmax(dim=-1)
 
 
 def sample(

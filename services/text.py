@@ -7,6 +7,7 @@ chunks concatenate to exactly the unary answer.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import cache
 
 from services.errors import InvalidRequestError
 
@@ -38,6 +39,34 @@ def chat_ids(tokenizer, prompt: str) -> list[int]:
     """Token ids of one user message under the chat template (``encode_prompt`` without its checks)."""
     ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True)
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+def token_pieces(tokenizer, token_ids: Sequence[int]) -> list[tuple[str, bytes]]:
+    """Each token's text (decoded alone, special tokens included) and its exact UTF-8 bytes: a byte-level BPE token
+    that ends inside a character decodes to U+FFFD, but its bytes are the token's own (GPT-2's byte alphabet); other
+    tokenizers' bytes are those of the text."""
+    byte_level = _byte_level(tokenizer)
+    alphabet = _byte_alphabet() if byte_level else {}
+    pieces = []
+    for token, piece in zip(token_ids, tokenizer.convert_ids_to_tokens(list(token_ids)) if byte_level else token_ids):
+        text = tokenizer.decode([int(token)])
+        exact = byte_level and isinstance(piece, str) and all(c in alphabet for c in piece)
+        pieces.append((text, bytes(alphabet[c] for c in piece) if exact else text.encode("utf-8")))
+    return pieces
+
+
+def _byte_level(tokenizer) -> bool:
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    return type(getattr(backend, "decoder", None)).__name__ == "ByteLevel"
+
+
+@cache
+def _byte_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, character -> byte (the inverse of its ``bytes_to_unicode``): printable bytes
+    stand for themselves, the others for 256 + their rank among them."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return {chr(b): b for b in printable} | {chr(256 + i): b for i, b in enumerate(others)}
 
 
 def validate_stop(stop: Sequence[str], max_chars: int | None = None) -> list[str]:

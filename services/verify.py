@@ -10,9 +10,12 @@ import torch
 from services.errors import InvalidRequestError
 from services.kv import KVPayload
 from services.loading import LoadedModel
-from services.prefill import FEATURE_DTYPE, draw_first_token
+from services.logprobs import TokenLogprob, token_logprobs
+from services.prefill import FEATURE_DTYPE, draw_first_token, first_token_logprob
 from services.runner import make_runner
-from services.sampling import SamplingParams, greedy_verify, logits_to_probs, make_generator, speculative_sample
+from services.sampling import (
+    SamplingParams, argmax_ids, greedy_verify, logits_to_probs, make_generator, speculative_sample,
+)
 from services.sessions import DEFAULT_MAX_KV_BYTES, DEFAULT_MAX_SESSIONS, SessionStore
 from services.tree import DraftTree, chain_length
 from services.validation import MAX_DRAFT_TOKENS
@@ -69,6 +72,7 @@ class VerifyResult:
     accepted: list[bool]  # per draft position
     features: torch.Tensor | None = None  # [n_matches + 1, hidden] bf16: features of the pending token and the accepted drafts
     path: list[int] | None = None  # a tree's accepted rows (services.tree: row i = draft i - 1); None for a chain
+    logprobs: list[TokenLogprob] | None = None  # per token of token_ids, the target's (SamplingParams.logprobs)
 
 
 class VerifyEngine:
@@ -148,9 +152,9 @@ class VerifyEngine:
                   for _, _, session, draft, _ in checked]
         starts = [session.cache.seq_len for _, _, session, _, _ in checked]
         trees = [tree for *_, tree in checked]
-        greedy = [session.params.greedy for _, _, session, _, _ in checked]
+        greedy = [session.params.argmax_only for _, _, session, _, _ in checked]
         prefilling = [session.prefilling for _, _, session, _, _ in checked]
-        all_logits, all_features = self.runner.forward_batch(  # per session: [k + 1, V] ([k + 1] ids if greedy), [k + 1, hidden]
+        all_logits, all_features = self.runner.forward_batch(  # per session: [k + 1, V] ([k + 1] ids if argmax_only), [k + 1, hidden]
             chunks, greedy=greedy, last_only=prefilling, **({"trees": trees} if any(trees) else {}))
         for (slot, call, session, draft, tree), start, logits, features in zip(checked, starts, all_logits, all_features):
             try:
@@ -165,21 +169,23 @@ class VerifyEngine:
     def _verdict(self, call: VerifyCall, session: VerifySession, draft: torch.Tensor, tree: DraftTree | None,
                  start: int, logits: torch.Tensor, features: torch.Tensor) -> VerifyResult:
         """One session's verdict from its rows of the pass (``logits``: [k + 1, V], or its argmax ids [k + 1] if
-        greedy; ``features`` [k + 1, hidden]); its KV then holds pending and the accepted drafts (from ``start``)."""
-        # (a greedy session's ``logits`` are the argmax ids of its rows [k + 1]: all that greedy verification reads)
+        ``argmax_only``; ``features`` [k + 1, hidden]); its KV then holds pending and the accepted drafts (from
+        ``start``). With ``SamplingParams.logprobs`` each emitted token gets its row's (services.logprobs)."""
+        # (an argmax_only session's ``logits`` are the argmax ids of its rows [k + 1]: all that greedy verification reads)
         if session.prefilling:
             return self._first_token(session, logits)
         # 2. exact accept / reject (services.sampling); a tree: the target's greedy path through it
         if tree is not None:
-            path, bonus = tree.greedy_walk(draft, logits)
+            path, bonus = tree.greedy_walk(draft, argmax_ids(logits))
             depth = max(tree.depths())
             session.cache.keep(start, [0] + path)  # pending + the accepted path, in sequence
             session.pending = bonus
             accepted_features = features[[0] + path].to(FEATURE_DTYPE) if session.features else None
-            return VerifyResult([int(draft[r - 1]) for r in path] + [bonus], len(path),
-                                [True] * len(path) + [False] * (depth - len(path)), accepted_features, path)
+            token_ids = [int(draft[r - 1]) for r in path] + [bonus]
+            return VerifyResult(token_ids, len(path), [True] * len(path) + [False] * (depth - len(path)),
+                                accepted_features, path, self._logprobs(session, logits, [0] + path, token_ids))
         if session.params.greedy:
-            result = greedy_verify(draft, logits)
+            result = greedy_verify(draft, argmax_ids(logits))
         else:
             p = logits_to_probs(logits, session.params)  # [k + 1, vocab_size]
             q = call.draft_probs if call.draft_probs is not None else _one_hot(draft, p.shape[-1])  # [k, vocab_size]
@@ -190,15 +196,26 @@ class VerifyEngine:
         accepted_features = None
         if session.features:
             accepted_features = features[: 1 + result.n_matches].to(FEATURE_DTYPE)  # [n_matches + 1, hidden]
-        return VerifyResult(result.token_ids, result.n_matches, result.accepted, accepted_features)
+        rows = list(range(1 + result.n_matches))  # token i follows row i: pending, then each accepted draft
+        return VerifyResult(result.token_ids, result.n_matches, result.accepted, accepted_features,
+                            logprobs=self._logprobs(session, logits, rows, result.token_ids))
 
     @staticmethod
-    def _first_token(session: VerifySession, logits: torch.Tensor) -> VerifyResult:  # [1, V] ([1] id if greedy)
+    def _logprobs(session: VerifySession, logits: torch.Tensor, rows: list[int],
+                  token_ids: list[int]) -> list[TokenLogprob] | None:  # logits [k + 1, V]
+        """Each emitted token's logprob from the row it follows, where the request asks for them."""
+        if session.params.logprobs is None:
+            return None
+        return token_logprobs(logits[rows], token_ids, session.params)
+
+    @staticmethod
+    def _first_token(session: VerifySession, logits: torch.Tensor) -> VerifyResult:  # [1, V] ([1] id if argmax_only)
         """A prefilling session's first step: the prompt is in the KV now; the first token is drawn from the last
         row as prefill draws it (services.prefill: the argmax, or a sample from its own random stream)."""
         token = draw_first_token(logits, session.params)
         session.pending, session.prompt_rest, session.prefilling = token, [], False
-        return VerifyResult([token], 0, [])
+        logprob = first_token_logprob(logits, token, session.params)
+        return VerifyResult([token], 0, [], logprobs=[logprob] if logprob is not None else None)
 
     def _check(self, call: VerifyCall) -> tuple[VerifySession, torch.Tensor, DraftTree | None]:  # draft ids [k]
         session = self.sessions.get(call.request_id)

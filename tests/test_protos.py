@@ -22,3 +22,14 @@ def test_fixed_names():
         assert name in pb.GenerateResponse.DESCRIPTOR.fields_by_name
     for name in ("request_id", "text", "token_ids", "accepted_tokens", "finish_reason"):
         assert name in pb.GenerateStreamResponse.DESCRIPTOR.fields_by_name
+
+
+def test_logprob_fields_are_additive():
+    """Logprobs (issue 41) came as new fields only: a request's switch and count, per-token entries in responses."""
+    for request in (pb.GenerateRequest, pb.GenerateStreamRequest):
+        fields = request.DESCRIPTOR.fields_by_name
+        assert (fields["logprobs"].number, fields["top_logprobs"].number) == (11, 12)
+    assert pb.GenerateResponse.DESCRIPTOR.fields_by_name["logprobs"].number == 8
+    assert pb.GenerateStreamResponse.DESCRIPTOR.fields_by_name["logprobs"].number == 10
+    entry = pb.TokenLogprob(token_id=5, logprob=-0.25, top_logprobs=[pb.TopLogprob(token_id=5, logprob=-0.25)])
+    assert pb.TokenLogprob.FromString(entry.SerializeToString()) == entry

@@ -45,6 +45,8 @@ def make_request(
     drafter: str = "",
     overlap: bool | None = None,
     stream: bool = False,
+    logprobs: bool = False,
+    top_logprobs: int = 0,
 ):
     """A GenerateRequest (or GenerateStreamRequest with ``stream``) from keyword arguments."""
     cls = pb.GenerateStreamRequest if stream else pb.GenerateRequest
@@ -56,6 +58,8 @@ def make_request(
         top_k=top_k,
         stop=list(stop),
         speculation=pb.SpeculationPolicy(mode=MODES[speculate], num_draft_tokens=num_draft_tokens, drafter=drafter),
+        logprobs=logprobs,
+        top_logprobs=top_logprobs,
     )
     if overlap is not None:
         request.speculation.overlap = overlap

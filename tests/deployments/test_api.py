@@ -40,3 +40,22 @@ def test_seeded_requests_without_speculation_when_configured(target):
     plan = plan_of(target, config, temperature=0.8, seed=7)
     assert not plan.speculate and not plan.adaptive
     assert plan_of(target, config, temperature=0.8).adaptive  # unseeded requests keep the adaptive policy
+
+
+@pytest.mark.parametrize("kwargs,want", [
+    (dict(), None), (dict(logprobs=True), 0), (dict(logprobs=True, top_logprobs=20), 20),
+])
+def test_logprobs_of_a_request(target, kwargs, want):
+    assert plan_of(target, AppConfig(), **kwargs).params.logprobs == want
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(logprobs=True, top_logprobs=21), "top_logprobs must be an integer in [0, 20]"),
+    (dict(top_logprobs=2), "top_logprobs needs logprobs"),
+])
+def test_logprobs_out_of_range_are_refused(target, kwargs, message):
+    from services.errors import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError) as err:
+        plan_of(target, AppConfig(), **kwargs)
+    assert message in str(err.value)

@@ -39,6 +39,20 @@ def test_chat_body_becomes_the_grpc_request():
                                                        drafter="model", overlap=True)
 
 
+@pytest.mark.parametrize("model,raw,logprobs,top", [
+    (CHAT, chat_body(), False, 0),
+    (CHAT, chat_body(logprobs=True), True, 0),
+    (CHAT, chat_body(logprobs=True, top_logprobs=20), True, 20),
+    (CHAT, chat_body(logprobs=False, top_logprobs=3), False, 3),  # (api.parse refuses it: top_logprobs needs logprobs)
+    (TEXT, b'{"prompt": "a"}', False, 0),
+    (TEXT, b'{"prompt": "a", "logprobs": 0}', True, 0),
+    (TEXT, b'{"prompt": "a", "logprobs": 5}', True, 5),
+])
+def test_logprobs_become_the_grpc_fields(model, raw, logprobs, top):
+    request = request_of(model, raw)
+    assert (request.logprobs, request.top_logprobs) == (logprobs, top)
+
+
 def test_openai_defaults():
     """Unset temperature samples at 1 (OpenAI's default); chat leaves max tokens to the server, completions take 16."""
     chat = request_of(CHAT, chat_body())
@@ -50,7 +64,8 @@ def test_openai_defaults():
 
 @pytest.mark.parametrize("model,raw,message", [
     (CHAT, chat_body(n=2), "n: not supported by splitspec (splitspec returns one choice per request)"),
-    (CHAT, chat_body(logprobs=True, top_logprobs=2), "logprobs, top_logprobs: not supported"),
+    (CHAT, chat_body(logprobs=True, top_logprobs=21), "top_logprobs: Input should be less than or equal to 20"),
+    (CHAT, chat_body(logprobs=True, top_logprobs=-1), "top_logprobs: Input should be greater than or equal to 0"),
     (CHAT, chat_body(tool_choice="auto"), "tool_choice: not supported"),
     (CHAT, chat_body(response_format={"type": "json_object"}), "response_format: not supported"),
     (CHAT, chat_body(frequency_penalty=1, logit_bias={"5": 1}), "frequency_penalty, logit_bias: not supported"),
@@ -62,7 +77,7 @@ def test_openai_defaults():
     (CHAT, b"{oops", "invalid request body"),
     (TEXT, b'{"prompt": "a", "echo": true, "best_of": 2}', "echo, best_of: not supported"),
     (TEXT, b'{"prompt": "a", "suffix": "z"}', "suffix: not supported"),
-    (TEXT, b'{"prompt": "a", "logprobs": 0}', "logprobs: not supported"),
+    (TEXT, b'{"prompt": "a", "logprobs": 21}', "logprobs: Input should be less than or equal to 20"),
     (TEXT, b'{"prompt": ["a", "b"]}', "prompt has 2 strings: send one prompt per request"),
     (TEXT, b'{"prompt": [[1, 2]]}', "token-id prompts are not supported"),
     (TEXT, b'{"model": "m"}', "prompt: Field required"),
@@ -74,8 +89,9 @@ def test_refused_with_the_field_named(model, raw, message):
 
 
 def plan(**kwargs) -> api.Plan:
-    return api.Plan(request_id="r1", session_id="r1/s", prompt_ids=[1, 2, 3], params=SamplingParams(), max_new_tokens=4,
-                    stop=[], speculate=True, num_draft_tokens=3, drafter="eagle", **kwargs)
+    return api.Plan(**{"request_id": "r1", "session_id": "r1/s", "prompt_ids": [1, 2, 3], "params": SamplingParams(),
+                       "max_new_tokens": 4, "stop": [], "speculate": True, "num_draft_tokens": 3, "drafter": "eagle"}
+                    | kwargs)
 
 
 def test_responses_and_chunks_have_openai_shapes():
@@ -116,3 +132,48 @@ def test_errors_map_to_http_status_and_openai_json(exc, status, kind):
     assert (got_status, body["error"]["type"]) == (status, kind)
     assert body["error"]["message"] == message and "boom" not in message  # an internal error says only its reference
     assert protocol.error(grpc.StatusCode.UNAUTHENTICATED, "unauthenticated")[0] == 401
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from services.loading import describe
+    from services.models import default_pair
+
+    default_pair.prepare()
+    return describe(default_pair.target_dir()).tokenizer
+
+
+def test_logprobs_have_the_shapes_the_openai_client_parses(tokenizer):
+    """Chat: ``logprobs.content`` entries with their bytes (a token that ends inside a character: its own bytes);
+    completions: the legacy lists, ``text_offset`` running on across chunks; both parse as the `openai` client's
+    types."""
+    from openai.types import Completion as TextCompletion
+    from openai.types.chat import ChatCompletion, ChatCompletionChunk
+    from openai.types.completion_choice import Logprobs
+
+    from services.logprobs import TokenLogprob
+
+    ids = tokenizer("日本 ok")["input_ids"]  # "日" is two tokens: the first ends inside the character
+    entries = [TokenLogprob(t, -0.5 * (i + 1), ((t, -0.5 * (i + 1)), (ids[0], -3.0))) for i, t in enumerate(ids)]
+    asking = plan(params=SamplingParams(logprobs=2))
+    chat = protocol.Completion(True, asking, "m", tokenizer=tokenizer)
+    whole = ChatCompletion.model_validate(chat.response("日本 ok", "length", len(ids), pb.Timings(), entries))
+    content = whole.choices[0].logprobs.content
+    assert b"".join(bytes(e.bytes) for e in content).decode() == "日本 ok"
+    assert [e.logprob for e in content] == [e.logprob for e in entries]
+    assert [[t.logprob for t in e.top_logprobs] for e in content] == [[v for _, v in e.top] for e in entries]
+    assert content[-1].token == " ok" and content[-1].top_logprobs[1].bytes == list(content[0].bytes)
+    chunk = ChatCompletionChunk.model_validate(chat.chunk(" ok", logprobs=entries[-1:]))
+    assert chunk.choices[0].logprobs.content[0].token == " ok"
+    text = protocol.Completion(False, asking, "m", tokenizer=tokenizer)
+    # (streamed, the client builds its chunks without validating them: finish_reason is null until the last)
+    legacy = [Logprobs.model_validate(text.chunk("", logprobs=part)["choices"][0]["logprobs"])
+              for part in (entries[:2], entries[2:])]
+    pieces = [tokenizer.decode([t]) for t in ids]
+    assert TextCompletion.model_validate(text.response("", "length", 0, pb.Timings(), []))
+    assert sum((lp.tokens for lp in legacy), []) == pieces
+    assert sum((lp.token_logprobs for lp in legacy), []) == [e.logprob for e in entries]
+    assert sum((lp.text_offset for lp in legacy), []) == [sum(map(len, pieces[:i])) for i in range(len(ids))]
+    assert legacy[1].top_logprobs[-1] == {" ok": entries[-1].logprob, pieces[0]: -3.0}  # the top ones and the token
+    # a request that did not ask: "logprobs": null, as before
+    assert protocol.Completion(True, plan(), "m").response("x", "length", 1, pb.Timings())["choices"][0]["logprobs"] is None

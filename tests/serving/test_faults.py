@@ -76,6 +76,22 @@ def test_verify_replica_killed_mid_stream(client, expected):
     assert _recoveries()["verify"] == before + 1
 
 
+def test_logprobs_survive_a_lost_verify_replica(client, expected):
+    """Stream with logprobs; the verify replica's process dies at its 3rd verify call: one entry per token, none
+    lost and none repeated (the recovered stream's first step, the last token again, is not sent), each the
+    no-fault run's value (after the loss the KV is a prefill's of the prompt and the tokens: float rounding apart)."""
+    kwargs = dict(messages=[("user", LONG[3])], logprobs=True, top_logprobs=2, **PINNED)
+    want = list(client.stream(**kwargs))  # no fault
+    before = _recoveries().get("verify", 0)
+    arm("Verify", "verify", "exit", after=2)
+    chunks = list(client.stream(**kwargs))
+    assert _recoveries()["verify"] == before + 1
+    assert _tokens(chunks) == _tokens(want) == expected(LONG[3])
+    got, ref = [e for c in chunks for e in c.logprobs], [e for c in want for e in c.logprobs]
+    assert [e.token_id for e in got] == _tokens(chunks) and all(len(e.top_logprobs) == 2 for e in got)
+    assert all(abs(a.logprob - b.logprob) <= 1e-4 for a, b in zip(got, ref)), [(a.logprob, b.logprob) for a, b in zip(got, ref)]
+
+
 def test_verify_replica_lost_mid_request_without_speculation(client, expected):
     """Speculation off: the loop's 5th step holds, the test kills the replica; the ingress reopens the session on the
     replacement and streams the rest."""

@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP API, through the real `openai` client and Serve's HTTP proxy: greedy chat equals the gRPC
-answer and the target alone, streamed deltas concatenate to the whole answer, usage counts match, bad input is a 400
-in OpenAI's error JSON, and the service goes on serving."""
+answer and the target alone, streamed deltas concatenate to the whole answer, usage counts match, logprobs under
+speculation equal speculation off's (and gRPC's), bad input is a 400 in OpenAI's error JSON, and the service goes on
+serving."""
 
 import httpx2 as httpx
 import openai
@@ -110,6 +111,111 @@ def test_seeded_sampling_is_reproducible_and_matches_grpc(client, oai):
     assert stats["enabled"] and not stats["adaptive"] and stats["num_draft_tokens"] == 2 and stats["drafted"] > 0
 
 
+LOGPROBS_TOL = 1e-5
+TOP = 3
+SPECULATING = [{"mode": "on", "num_draft_tokens": 3, "drafter": "model"}, {"mode": "default"}]  # default: EAGLE
+
+
+def _close(got: list[float], want: list[float]) -> bool:
+    return len(got) == len(want) and all(abs(a - b) <= LOGPROBS_TOL for a, b in zip(got, want))
+
+
+def _warm(create) -> None:
+    """Prefill the prompt once for a feature drafter (EAGLE): from here on every request with it — with features or
+    without — takes the prompt's KV from the prefix cache and computes only its last position. (The first token's
+    values of a prompt computed whole and of one after a cache hit differ by float rounding, ~1e-5: a property of
+    the prefix cache, not of speculation, which the comparisons below leave out.)"""
+    create(max_tokens=1, temperature=0, extra_body={"speculation": {"mode": "on", "drafter": "eagle"}})
+
+
+def test_chat_stream_logprobs_equal_speculation_off_and_grpc(client, oai):
+    """Greedy chat, streamed: the client parses each chunk's logprobs.content; the entries (one per token, the first
+    token's included) equal those of the same request with speculation off, and gRPC's."""
+    prompt = PROMPTS[0]
+    _warm(lambda **kwargs: chat(oai, prompt, **kwargs))
+
+    def streamed(speculation):
+        chunks = list(chat(oai, prompt, temperature=0, max_tokens=MAX_NEW_TOKENS, stream=True, logprobs=True,
+                           top_logprobs=TOP, extra_body={"speculation": speculation}))
+        choices = [c.choices[0] for c in chunks if c.choices]
+        entries = [e for c in choices if c.logprobs is not None for e in c.logprobs.content]
+        return "".join(c.delta.content or "" for c in choices), entries, chunks
+
+    text, off, _ = streamed({"mode": "off"})
+    assert len(off) == MAX_NEW_TOKENS or off[-1].token == "<|im_end|>"
+    assert all(len(e.top_logprobs) == TOP and e.top_logprobs[0].token == e.token for e in off)  # greedy: the argmax
+    assert text.startswith("".join(e.token for e in off[:3]))
+    for speculation in SPECULATING:
+        text_on, on, chunks = streamed(speculation)
+        finished = [c for c in chunks if c.choices and c.choices[0].finish_reason][0]
+        assert text_on == text and [e.token for e in on] == [e.token for e in off], speculation
+        assert _close([e.logprob for e in on], [e.logprob for e in off]), speculation
+        for a, b in zip(on, off):
+            assert _close([t.logprob for t in a.top_logprobs], [t.logprob for t in b.top_logprobs]), (a, b)
+        if speculation["mode"] == "on":  # (the default policy may decline to draft: adaptive)
+            assert finished.model_extra["speculation_stats"]["drafted"] > 0
+    grpc_answer = client.generate(messages=[("user", prompt)], max_new_tokens=MAX_NEW_TOKENS, logprobs=True,
+                                  top_logprobs=TOP, speculate=True, num_draft_tokens=3, drafter="eagle")
+    assert len(grpc_answer.logprobs) == len(grpc_answer.token_ids) == len(off)
+    assert _close([e.logprob for e in grpc_answer.logprobs], [e.logprob for e in off])
+    assert all(len(e.top_logprobs) == TOP and e.top_logprobs[0].token_id == t
+               for e, t in zip(grpc_answer.logprobs, grpc_answer.token_ids))
+    streamed_grpc = list(client.stream(messages=[("user", prompt)], max_new_tokens=MAX_NEW_TOKENS, logprobs=True,
+                                       speculate=True, num_draft_tokens=3, drafter="eagle"))
+    entries = [e for chunk in streamed_grpc for e in chunk.logprobs]
+    assert all(len(chunk.logprobs) == len(chunk.token_ids) for chunk in streamed_grpc)
+    assert [e.token_id for e in entries] == list(grpc_answer.token_ids) and all(not e.top_logprobs for e in entries)
+    assert _close([e.logprob for e in entries], [e.logprob for e in off])
+
+
+def test_completion_logprobs_equal_speculation_off(client, oai, default_pair, target_info):
+    """A whole completion: the legacy logprobs parse, one entry per token. Greedy, speculation on gives speculation
+    off's values. Seeded sampling (top-k, top-p, EAGLE drafts): the values are gRPC's for the same tokens, and the
+    target's processed distribution along them (teacher-forced in this process: transformers' forward, not the
+    served one, hence a looser bound)."""
+    import torch
+
+    from services.logprobs import LOGPROB_FLOOR, target_logprobs
+    from services.sampling import SamplingParams
+
+    prompt = "The three primary colors are"
+    _warm(lambda **kwargs: oai.completions.create(model=MODEL, prompt=prompt, **kwargs))
+
+    def complete(speculation, temperature=0.0, **body):
+        answer = oai.completions.create(model=MODEL, prompt=prompt, max_tokens=MAX_NEW_TOKENS, logprobs=TOP,
+                                        temperature=temperature, extra_body={"speculation": speculation, **body})
+        lp = answer.choices[0].logprobs
+        assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset)
+        assert len(lp.tokens) == answer.usage.completion_tokens
+        assert lp.text_offset == [sum(map(len, lp.tokens[:i])) for i in range(len(lp.tokens))]
+        assert all(top[token] == logprob for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs))
+        return answer.choices[0].text, lp
+
+    text, off = complete({"mode": "off"})
+    assert all(max(top.values()) == logprob for top, logprob in zip(off.top_logprobs, off.token_logprobs))
+    for speculation in SPECULATING:
+        text_on, on = complete(speculation)
+        assert text_on == text and on.tokens == off.tokens, speculation
+        assert _close(on.token_logprobs, off.token_logprobs), speculation
+    sampled = dict(temperature=0.9, top_k=5, top_p=0.9, seed=7)
+    eagle = {"mode": "on", "num_draft_tokens": 2, "drafter": "eagle"}
+    _, http = complete(eagle, **sampled)
+    answer = client.generate(prompt, max_new_tokens=MAX_NEW_TOKENS, logprobs=True, top_logprobs=TOP, speculate=True,
+                             num_draft_tokens=2, drafter="eagle", **sampled)
+    assert answer.speculation_stats.drafted > 0
+    assert _close(http.token_logprobs, [e.logprob for e in answer.logprobs])
+    assert all(sum(e.logprob > LOGPROB_FLOOR for e in entry.top_logprobs) <= sampled["top_k"]
+               for entry in answer.logprobs)
+    target, _ = default_pair
+    prompt_ids = target_info.tokenizer(prompt)["input_ids"]
+    with torch.inference_mode():
+        logits = target.model(input_ids=torch.tensor([prompt_ids + list(answer.token_ids)])).logits[0].float()
+    params = SamplingParams(sampled["temperature"], sampled["top_k"], sampled["top_p"])
+    reference = target_logprobs(logits[len(prompt_ids) - 1 : -1], params)  # [n, vocab_size]
+    for i, (token, entry) in enumerate(zip(answer.token_ids, answer.logprobs)):
+        assert abs(entry.logprob - float(reference[i, token])) <= 1e-3, (i, entry.logprob, float(reference[i, token]))
+
+
 BAD = [  # (body fields over a good chat request, status, words of the message)
     (dict(n=2), 400, "n: not supported"),
     (dict(max_tokens=0), 400, "max_tokens"),
@@ -119,7 +225,8 @@ BAD = [  # (body fields over a good chat request, status, words of the message)
     (dict(messages=[]), 400, "messages"),
     (dict(messages=[{"role": "tool", "content": "x"}]), 400, "role"),
     (dict(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]), 400, "send text"),
-    (dict(logprobs=True), 400, "logprobs: not supported"),
+    (dict(logprobs=True, top_logprobs=21), 400, "top_logprobs: Input should be less than or equal to 20"),
+    (dict(top_logprobs=2), 400, "top_logprobs needs logprobs"),
     (dict(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools: not supported"),
     (dict(presence_penalty=0.5), 400, "presence_penalty: not supported"),
     (dict(stream=False, stream_options={"include_usage": True}), 400, "only allowed when stream is true"),
