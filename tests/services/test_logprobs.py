@@ -11,14 +11,14 @@ import torch
 from services.draft import DraftEngine
 from services.errors import InvalidRequestError
 from services.logprobs import LOGPROB_FLOOR, target_logprobs
-from services.loop import Results, SpeculativeLoop, StepOutput, generate
+from services.loop import generate
 from services.prefill import PrefillCall, PrefillEngine, PrefillProgress
-from services.resume import resume_from
 from services.runner import make_runner
 from services.sampling import SamplingParams
 from services.verify import VerifyCall, VerifyEngine
 from tests.services.test_eagle_drafter import random_head
 from tests.services.test_engine import PROMPTS
+from tests.services.test_recovery import run_with_losses
 
 NEW_TOKENS = 24
 TOP = 5  # alternatives asked for
@@ -173,36 +173,10 @@ def test_a_pass_mixes_sessions_with_and_without_logprobs(tiny, engines):
 
 
 def run_losing_verify(engines, prompt, params, lose_at: tuple[int, ...]):
-    """Decode with k = 2, losing the verify session before the verify calls numbered in ``lose_at`` and reopening
-    it as the ingress does (services.resume: a prefill of the prompt and every emitted token but the last)."""
-    prefill, draft, verify = engines
-    handoff = prefill.prefill(prompt, params)
-    verify.open("r", handoff.payload, handoff.first_token, params)
-    draft.start("r", prompt, params, "model")
-    loop = SpeculativeLoop(handoff.first_token, max_new_tokens=NEW_TOKENS, eos=prefill.target.eos_token_ids,
-                           num_draft_tokens=2, drafting=True, first_logprob=handoff.first_logprob)
-    tokens, entries, results, verifies = [], [], None, 0
-    try:
-        while (item := loop.advance(results)) is not None:
-            results = None
-            if isinstance(item, StepOutput):
-                tokens += item.token_ids
-                entries += item.logprobs
-                continue
-            p = item.propose
-            results = Results(proposal=draft.propose("r", p.k, p.forced, p.guesses, p.accepts) if p else None)
-            if item.verify is None:
-                continue
-            verifies += 1
-            if verifies in lose_at:
-                verify.close("r")
-                resume = resume_from(prompt, params, NEW_TOKENS, tokens)
-                again = prefill.prefill(resume.ids, resume.params)
-                verify.open("r", again.payload, resume.last_token, resume.params)
-            results.verdict = verify.verify("r", item.verify.draft_ids, item.verify.probs)
-    finally:
-        verify.close("r")
-        draft.close("r")
+    """Decode with k = 2 (the model drafter), losing the verify session before the verify calls numbered in
+    ``lose_at`` and reopening it as the ingress does; the tokens and their logprobs."""
+    entries = []
+    tokens, _ = run_with_losses(engines, prompt, "model", lose_verify_at=lose_at, params=params, entries=entries)
     return tokens, entries
 
 

@@ -20,15 +20,17 @@ NEW_TOKENS = 24
 PARAMS = SamplingParams()
 
 
-def _run(engines, prompt, drafter, *, lose_verify_at=(), lose_draft_at=None, resume_draft_at=None, params=PARAMS):
-    """Decode ``prompt`` with k = 2, losing the verify session before the verify calls numbered in ``lose_verify_at``,
-    and the draft session at proposal ``lose_draft_at``, opening a fresh one after step ``resume_draft_at``."""
+def run_with_losses(engines, prompt, drafter, *, lose_verify_at=(), lose_draft_at=None, resume_draft_at=None, params=PARAMS,
+         entries: list | None = None):
+    """Decode ``prompt`` with k = 2, losing the verify session before the verify calls numbered in ``lose_verify_at``
+    (reopened as the ingress does: services.resume), and the draft session at proposal ``lose_draft_at``, opening a
+    fresh one after step ``resume_draft_at``. ``entries``: filled with the steps' logprobs."""
     prefill, draft, verify = engines
     handoff = prefill.prefill(prompt, params)
     verify.open("r", handoff.payload, handoff.first_token, params)
     draft.start("r", prompt, params, drafter)
     loop = SpeculativeLoop(handoff.first_token, max_new_tokens=NEW_TOKENS, eos=prefill.target.eos_token_ids,
-                           num_draft_tokens=2, drafting=True)
+                           num_draft_tokens=2, drafting=True, first_logprob=handoff.first_logprob)
     tokens, drafted_per_step, results, proposals, verifies, steps = [], [], None, 0, 0, 0
     try:
         while (item := loop.advance(results)) is not None:
@@ -36,6 +38,8 @@ def _run(engines, prompt, drafter, *, lose_verify_at=(), lose_draft_at=None, res
             if isinstance(item, StepOutput):
                 tokens += item.token_ids
                 drafted_per_step.append(item.n_drafted)
+                if entries is not None:
+                    entries += item.logprobs
                 steps += 1
                 if steps == resume_draft_at:
                     resume = resume_from(prompt, params, NEW_TOKENS, tokens)  # as the verify replica restarts it
@@ -69,7 +73,7 @@ def _run(engines, prompt, drafter, *, lose_verify_at=(), lose_draft_at=None, res
 def test_verify_session_reopened_mid_request(tiny, tiny_engines, drafter):
     target, _ = tiny
     for prompt in PROMPTS:
-        tokens, _ = _run(tiny_engines, prompt, drafter, lose_verify_at=(1, 3, 4))
+        tokens, _ = run_with_losses(tiny_engines, prompt, drafter, lose_verify_at=(1, 3, 4))
         assert tokens == greedy_reference(target.model, prompt, NEW_TOKENS), prompt
 
 
@@ -77,7 +81,7 @@ def test_draft_session_lost_then_resumed(tiny, tiny_engines):
     target, _ = tiny
     resumed = 0
     for prompt in PROMPTS:
-        tokens, drafted = _run(tiny_engines, prompt, "model", lose_draft_at=3, resume_draft_at=6)
+        tokens, drafted = run_with_losses(tiny_engines, prompt, "model", lose_draft_at=3, resume_draft_at=6)
         assert tokens == greedy_reference(target.model, prompt, NEW_TOKENS), prompt
         if len(drafted) > 8:  # (an answer that ends early has no steps after the resume)
             # step 1 is prefill's token; proposals 1-2 were verified at steps 2-3; step 4 on: the target alone; the
@@ -91,7 +95,7 @@ def test_resume_is_ignored_while_drafting(tiny, tiny_engines):
     """resume_drafting() on a loop that still drafts changes nothing."""
     target, _ = tiny
     prompt = PROMPTS[0]
-    tokens, drafted = _run(tiny_engines, prompt, "model", resume_draft_at=10**9)
+    tokens, drafted = run_with_losses(tiny_engines, prompt, "model", resume_draft_at=10**9)
     assert tokens == greedy_reference(target.model, prompt, NEW_TOKENS)
 
 
@@ -108,8 +112,8 @@ def test_a_seed_repeats_its_answer_on_the_same_path_only(tiny, tiny_engines):
         params = SamplingParams(temperature=1.0, seed=seed)
         answers = {}
         for name, faults in paths.items():
-            answers[name], _ = _run(tiny_engines, PROMPTS[0], "model", params=params, **faults)
-            assert _run(tiny_engines, PROMPTS[0], "model", params=params, **faults)[0] == answers[name], (seed, name)
+            answers[name], _ = run_with_losses(tiny_engines, PROMPTS[0], "model", params=params, **faults)
+            assert run_with_losses(tiny_engines, PROMPTS[0], "model", params=params, **faults)[0] == answers[name], (seed, name)
         differs = differs or len({tuple(a) for a in answers.values()}) > 1
     assert differs, "no fault changed a seeded answer: the README's caveat would be moot"
 
