@@ -81,18 +81,23 @@ def _by_category(results: list[GenerationResult], categories: list[str], k: int)
     return out
 
 
+def params_of(temperature: float, n: int) -> SamplingParams:
+    """Prompt n's sampling: greedy at 0, else ``temperature`` with its own seed (n)."""
+    return SamplingParams(temperature=temperature, seed=n if temperature > 0 else None)
+
+
 def _run_k(k: int, engines, prompts, references, *, max_new_tokens: int, t_target_step: float, off: Arm,
-           categories: list[str]) -> dict:
+           categories: list[str], temperature: float = 0.0) -> dict:
     prefill, drafts, verify, costs = engines
     n_proposals, n_verify = len(costs.draft_token_s[drafts.drafter]), len(costs.verify_s[k + 1])
     arm, results, identical = Arm(f"k={k}"), [], True
-    for ids, ref in zip(prompts, references):
+    for n, (ids, ref) in enumerate(zip(prompts, references)):
         result = None
 
-        def run_one(ids=ids):
+        def run_one(ids=ids, n=n):
             nonlocal result
             result = _traced_generate(prefill, drafts, verify, ids, max_new_tokens=max_new_tokens,
-                                      num_draft_tokens=k, params=SamplingParams(), drafter=drafts.drafter)
+                                      num_draft_tokens=k, params=params_of(temperature, n), drafter=drafts.drafter)
             return result.token_ids
 
         identical &= _timed(arm, run_one) == ref
@@ -125,7 +130,7 @@ def _run_k(k: int, engines, prompts, references, *, max_new_tokens: int, t_targe
         "model_speedup_sequential": round(model_sequential, 3),
         "model_speedup_overlapped": round(model_overlapped, 3),
         "measured_speedup_sequential": round(arm.tok_s / off.tok_s, 3),
-        "greedy_identical": identical,
+        "greedy_identical": identical if temperature == 0 else None,  # (sampled answers differ from the target's run)
         "by_category": _by_category(results, categories, k),
     }
 
@@ -140,6 +145,7 @@ def run(
     draft_vocab_size: int | None = None,
     drafter: str | None = None,  # default: the EAGLE head when the drafter folder has one, else the draft model
     prompt_set: str = "held_out",
+    temperature: float = 0.0,  # > 0: sampled (each prompt seeded), the drafter drawing from its own q
     progress=print,
 ) -> dict:
     from splitspec.bench.grpc import labelled_prompts
@@ -158,9 +164,10 @@ def run(
     engines = prefill, TimedDraft(draft_engine, costs, drafter), TimedVerify(verify_engine, costs), costs
     # 1. the target alone: the reference output and the cost of one target step
     off, references = Arm("speculation off"), []
-    for ids in prompts:
-        references.append(_timed(off, lambda ids=ids: generate(prefill, None, engines[2], ids, max_new_tokens=max_new_tokens,
-                                                                num_draft_tokens=1, params=SamplingParams()).token_ids))
+    for n, ids in enumerate(prompts):
+        references.append(_timed(off, lambda ids=ids, n=n: generate(
+            prefill, None, engines[2], ids, max_new_tokens=max_new_tokens, num_draft_tokens=1,
+            params=params_of(temperature, n)).token_ids))
     t_target_step = statistics.median(costs.verify_s[1])
     vocab = _draft_vocab_size(draft_engine) if drafter == MODEL_DRAFTER else len(draft_engine.eagle_head.kept_ids)
     progress(f"target alone: {off.tok_s:.2f} tok/s, t_target_step {t_target_step * 1000:.2f} ms; "
@@ -169,7 +176,7 @@ def run(
     rows = []
     for k in ks:
         row = _run_k(k, engines, prompts, references, max_new_tokens=max_new_tokens, t_target_step=t_target_step, off=off,
-                     categories=categories)
+                     categories=categories, temperature=temperature)
         rows.append(row)
         progress(f"k={k}: acceptance by position {row['acceptance_by_position']}, rate {row['acceptance_rate']:.1%}, "
                  f"mean accepted length {row['mean_accepted_length']:.2f}; t_draft_token {row['t_draft_token_ms']:.2f} ms "
@@ -181,7 +188,7 @@ def run(
                 progress(f"  {category}: mean accepted length {part['mean_accepted_length']:.2f}, acceptance by position "
                          f"{part['acceptance_by_position']}")
     report = _report(rows, costs, t_target_step, off, vocab, target, draft, len(prompts), max_new_tokens, drafter)
-    report["setup"]["prompt_set"] = prompt_set
+    report["setup"] |= {"prompt_set": prompt_set, "temperature": temperature}
     return report
 
 
@@ -197,7 +204,7 @@ def _report(rows, costs: StepCosts, t_target_step: float, off: Arm, vocab: int, 
         "target_tok_s": round(off.tok_s, 3),
         "best_ideal_speedup_sequential": max(r["ideal_speedup_sequential"] for r in rows),
         "best_ideal_speedup_overlapped": max(r["ideal_speedup_overlapped"] for r in rows),
-        "greedy_identical": all(r["greedy_identical"] for r in rows),
+        "greedy_identical": None if rows[0]["greedy_identical"] is None else all(r["greedy_identical"] for r in rows),
         "setup": {
             "prompts": prompts, "max_new_tokens": max_new_tokens, "threads": torch.get_num_threads(),
             "target": target.model_id, "draft": draft.model_id, "drafter": drafter, "draft_vocab_size": vocab,
