@@ -148,6 +148,7 @@ class VerifyEngine:
         gets its error in its slot; the others go on.
         """
         results: list[VerifyResult | Exception | None] = [None] * len(calls)
+        self.mask_s = None
         checked = []  # (slot, call, session, draft [k], tree or None)
         for slot, call in enumerate(calls):
             try:
