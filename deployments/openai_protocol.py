@@ -144,7 +144,8 @@ def _refuse_unsupported(body: _Sampling) -> None:
             "functions": bool(body.functions),
         }
     else:
-        unsupported |= {"echo": bool(body.echo), "suffix": bool(body.suffix), "best_of": body.best_of not in (None, 1)}
+        unsupported |= {"echo": bool(body.echo), "suffix": bool(body.suffix), "best_of": body.best_of not in (None, 1),
+                        "response_format": (body.model_extra or {}).get("response_format") is not None}  # (chat's)
     refused = [name for name, used in unsupported.items() if used]
     if refused:
         hint = " (splitspec returns one choice per request)" if "n" in refused else ""

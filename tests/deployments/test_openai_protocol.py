@@ -89,6 +89,7 @@ def test_openai_defaults():
     (CHAT, b"{oops", "invalid request body"),
     (TEXT, b'{"prompt": "a", "echo": true, "best_of": 2}', "echo, best_of: not supported"),
     (TEXT, b'{"prompt": "a", "suffix": "z"}', "suffix: not supported"),
+    (TEXT, b'{"prompt": "a", "response_format": {"type": "json_object"}}', "response_format: not supported"),
     (TEXT, b'{"prompt": "a", "logprobs": 21}', "logprobs: Input should be less than or equal to 20"),
     (TEXT, b'{"prompt": ["a", "b"]}', "prompt has 2 strings: send one prompt per request"),
     (TEXT, b'{"prompt": [[1, 2]]}', "token-id prompts are not supported"),
