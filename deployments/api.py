@@ -7,6 +7,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from deployments.config import AppConfig
+from services.constraint import Constraint, Grammars
 from services.drafters import MODEL_DRAFTER, kinds
 from services.errors import InvalidRequestError
 from services.logprobs import TokenLogprob
@@ -88,8 +89,9 @@ class Timer:
 
 
 def parse(request, config: AppConfig, tokenizer, *, max_context: int, vocab_size: int, drafters=None,
-          default_drafter: str = MODEL_DRAFTER) -> Plan:
-    """Validate a GenerateRequest / GenerateStreamRequest; raise InvalidRequestError with an actionable message."""
+          default_drafter: str = MODEL_DRAFTER, grammars: Grammars | None = None) -> Plan:
+    """Validate a GenerateRequest / GenerateStreamRequest; raise InvalidRequestError with an actionable message
+    (InvalidGrammarError, llguidance's reason, for a ``json_schema`` that ``grammars``, the target's, cannot compile)."""
     request_id = request.request_id or uuid.uuid4().hex
     if len(request_id) > MAX_REQUEST_ID_CHARS:
         raise InvalidRequestError(f"request_id is longer than {MAX_REQUEST_ID_CHARS} characters")
@@ -104,7 +106,10 @@ def parse(request, config: AppConfig, tokenizer, *, max_context: int, vocab_size
         top_p=float(request.top_p) if request.HasField("top_p") else 1.0,
         seed=int(request.seed) if request.HasField("seed") else None,
         logprobs=requested_logprobs(request),
+        constraint=Constraint(request.json_schema) if request.json_schema else None,
     ).validate()
+    if params.constraint is not None and grammars is not None:  # a bad schema fails here, before any stage works
+        grammars.compile(params.constraint)
     max_new_tokens = request.max_new_tokens if request.HasField("max_new_tokens") else config.limits.default_max_new_tokens
     validate_max_new_tokens(
         max_new_tokens, prompt_len=len(prompt_ids), max_context=max_context, limit=config.limits.max_new_tokens

@@ -34,6 +34,7 @@ from deployments.stages import model_dirs, rss_bytes
 from deployments.status import RequestDeadlineError, StageUnavailableError, UnauthenticatedError, to_status, unwrap
 from services import drafters, eagle_draft
 from services.drafters import EAGLE_DRAFTER, MODEL_DRAFTER
+from services.constraint import Grammars
 from services.loading import check_tokenizers, describe
 from services.loop import StepOutput
 from services.text import TextStream
@@ -58,6 +59,8 @@ class SpecDecodeIngress(OpenAIRoutes):
         self.created = int(time.time())
         self.max_context = self.target.max_context
         self.tokenizer = self.target.tokenizer
+        # structured outputs' schemas are compiled here first, so that a bad one is refused before any stage works
+        self.grammars = Grammars(self.tokenizer, vocab_size=self.target.vocab_size, eos_token_ids=self.target.eos_token_ids)
         check_tokenizers(self.target, draft_dir)
         has_head = eagle_draft.find(draft_dir) is not None  # the drafter loads it (and checks it fits the target)
         self.drafters = tuple(name for name, kind in drafters.kinds().items() if kind.needs != "head" or has_head)
@@ -194,7 +197,8 @@ class SpecDecodeIngress(OpenAIRoutes):
             raise StageUnavailableError("; ".join(essential))
         return api.parse(request, self.config, self.target.tokenizer,
                          max_context=self.config.context_limit(self.target.max_context),  # kv_capacity bounds it too
-                         vocab_size=self.target.vocab_size, drafters=self.drafters, default_drafter=self.default_drafter)
+                         vocab_size=self.target.vocab_size, drafters=self.drafters, default_drafter=self.default_drafter,
+                         grammars=self.grammars)
 
     async def _text_steps(self, plan: api.Plan, timer: api.Timer) -> AsyncIterator[tuple[StepOutput, list[int], str]]:
         stream = TextStream(self.target.tokenizer, plan.stop)

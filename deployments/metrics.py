@@ -63,6 +63,9 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "splitspec_kv_bytes_held": ("gauge", "KV bytes held by this draft / verify replica.", ("stage",)),
     "splitspec_batch_calls": ("histogram", "Calls of concurrent requests batched into one engine pass, by stage (prefill, draft, verify).", ("stage",)),
     "splitspec_batch_rows": ("histogram", "Rows (tokens) of one batched engine pass, by stage.", ("stage",)),
+    "splitspec_grammar_mask_seconds": ("histogram", "Seconds computing the grammar masks of one verify pass's constrained "
+                                       "sessions (structured outputs), in a thread beside the target's pass; passes "
+                                       "without a constrained session are not observed.", ()),
 }
 BUCKETS = {"splitspec_accepted_length": ACCEPTED_LENGTH, "splitspec_batch_calls": BATCH_SIZE, "splitspec_batch_rows": BATCH_SIZE}
 
@@ -94,7 +97,7 @@ class Metrics:
 
 
 SESSION_GAUGES = ("splitspec_open_sessions", "splitspec_kv_bytes_held")
-BATCH_HISTOGRAMS = ("splitspec_batch_calls", "splitspec_batch_rows")
+BATCH_HISTOGRAMS = ("splitspec_batch_calls", "splitspec_batch_rows", "splitspec_grammar_mask_seconds")
 REPLICA_METRICS = SESSION_GAUGES + BATCH_HISTOGRAMS  # recorded by the stage replicas, not the ingress
 
 
@@ -169,6 +172,10 @@ class SessionMetrics:
     def batched_pass(self, calls: int, rows: int) -> None:
         self.m.observe("splitspec_batch_calls", calls, stage=self.stage)
         self.m.observe("splitspec_batch_rows", rows, stage=self.stage)
+
+    def grammar_masks(self, seconds: float) -> None:
+        """A verify pass's grammar masks (VerifyEngine.mask_s)."""
+        self.m.observe("splitspec_grammar_mask_seconds", seconds)
 
     def update(self, sessions: int, kv_bytes: int) -> None:
         self.m.set("splitspec_open_sessions", sessions, stage=self.stage)

@@ -5,11 +5,13 @@ Pure translation, no Ray and no HTTP: a body becomes a ``pb.GenerateRequest`` th
 OpenAI API that splitspec cannot honour (n > 1, tools, penalties, ...) are refused with a 400 that names them; fields
 that change nothing about the output (``user``, ``metadata``, ``store``, ...) are ignored, as vLLM does. Logprobs are
 the target's (services.logprobs), in the chat API's shape (``logprobs.content``) or the legacy completions one
-(``tokens``, ``token_logprobs``, ``top_logprobs``, ``text_offset``).
+(``tokens``, ``token_logprobs``, ``top_logprobs``, ``text_offset``). A chat body's ``response_format``
+(``json_schema`` or ``json_object``) is the request's ``json_schema`` (structured outputs: services.constraint).
 """
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any, Literal
 
@@ -19,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from deployments import api
 from services.errors import InvalidRequestError
+from services.grammar import JSON_OBJECT_SCHEMA
 from services.logprobs import TokenLogprob
 from services.loop import FINISH_LENGTH, FINISH_STOP
 from services.sampling import MAX_TOP_LOGPROBS
@@ -139,10 +142,10 @@ def _refuse_unsupported(body: _Sampling) -> None:
             "tools": bool(body.tools),
             "tool_choice": body.tool_choice not in (None, "none"),
             "functions": bool(body.functions),
-            "response_format": (body.response_format or {}).get("type", "text") != "text",
         }
     else:
-        unsupported |= {"echo": bool(body.echo), "suffix": bool(body.suffix), "best_of": body.best_of not in (None, 1)}
+        unsupported |= {"echo": bool(body.echo), "suffix": bool(body.suffix), "best_of": body.best_of not in (None, 1),
+                        "response_format": (body.model_extra or {}).get("response_format") is not None}  # (chat's)
     refused = [name for name, used in unsupported.items() if used]
     if refused:
         hint = " (splitspec returns one choice per request)" if "n" in refused else ""
@@ -150,6 +153,23 @@ def _refuse_unsupported(body: _Sampling) -> None:
                                   f"{'it' if len(refused) == 1 else 'them'} unset")
     if body.stream_options is not None and not body.stream:
         raise InvalidRequestError("stream_options is only allowed when stream is true")
+
+
+def json_schema_of(response_format: dict[str, Any] | None) -> str:
+    """The splitspec.v1 ``json_schema`` of a chat body's ``response_format`` (empty for text). ``strict`` changes
+    nothing: the schema is always enforced (its grammar masks every token)."""
+    kind = (response_format or {}).get("type", "text")
+    if kind == "text":
+        return ""
+    if kind == "json_object":
+        return JSON_OBJECT_SCHEMA
+    if kind == "json_schema":
+        spec = response_format.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema"), (dict, bool)):
+            raise InvalidRequestError('response_format of type json_schema needs its schema: {"type": "json_schema", '
+                                      '"json_schema": {"name": "...", "schema": {...}}}')
+        return json.dumps(spec["schema"])
+    raise InvalidRequestError(f"response_format.type must be text, json_object or json_schema, got {kind!r}")
 
 
 def generate_request(body: _Sampling, request_id: str) -> pb.GenerateRequest:
@@ -168,6 +188,7 @@ def generate_request(body: _Sampling, request_id: str) -> pb.GenerateRequest:
         request.messages.extend(pb.ChatMessage(role=_role(m.role), content=_text(m)) for m in body.messages)
         max_tokens = body.max_completion_tokens or body.max_tokens
         request.logprobs, request.top_logprobs = bool(body.logprobs), body.top_logprobs or 0
+        request.json_schema = json_schema_of(body.response_format)
     else:
         request.prompt = _prompt(body.prompt)
         max_tokens = body.max_tokens

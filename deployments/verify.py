@@ -369,7 +369,10 @@ class Verify(_Stage):
         await self.faults.point("pass")  # (tests: a held pass lets calls queue, so that the next one takes them all)
         proposals = [call.propose for call in calls if isinstance(call, ChainedCall)]
         if not proposals:
-            return await self._run(self.engine.verify_batch, calls)
+            results, mask_s = await self._run(lambda: (self.engine.verify_batch(calls), self.engine.mask_s))
+            if mask_s is not None:
+                self.session_metrics.grammar_masks(mask_s)
+            return results
         results = await self._run(run_chained, self.drafts, self.engine, calls)
         self.draft_passes += 1
         self.draft_largest_pass = max(self.draft_largest_pass, len(proposals))

@@ -29,6 +29,7 @@ from services.drafters import (
     check_accept, drive, register,
 )
 from services import drafters
+from services.constraint import DraftGrammar, Grammars, exhausted
 from services.errors import InvalidRequestError
 from services.models import eagle
 from services.loading import LoadedModel
@@ -78,6 +79,7 @@ class ModelDraftSession:
     generator: torch.Generator
     cache: object  # KVCache or DenseKVCache
     proposal: list[int] = field(default_factory=list)
+    grammar: DraftGrammar = field(default_factory=lambda: DraftGrammar(None))  # a constrained request's
 
     @property
     def nbytes(self) -> int:
@@ -92,7 +94,11 @@ class ModelDraftSession:
         # the cache always lags the context by >= 1 token, so there are logits to sample from
         sides = [] if width > 1 and self.params.greedy else None
         uncached = torch.tensor(self.tokens[self.cache.seq_len :] + list(forced))
-        token_ids, probs = yield from self._sample_chain(uncached, k, sides, width)
+        self.grammar.push(forced)
+        try:
+            token_ids, probs = yield from self._sample_chain(uncached, k, sides, width)
+        finally:
+            self.grammar.unwind()
         self.proposal = list(forced) + token_ids
         if sides:
             tree_ids, parents = with_sides(token_ids, sides)
@@ -108,12 +114,20 @@ class ModelDraftSession:
         forced, context_len = list(forced), len(self.tokens)
         uncached = self.tokens[self.cache.seq_len :] + forced
         rows = self.runner.forward(torch.tensor(uncached), self.cache)  # [len(uncached), vocab_size]
-        prefix_logits = list(rows[len(rows) - len(forced) - 1 :])  # [len(forced) + 1] x [vocab_size]
+        prefix_logits = []  # [len(forced) + 1] x [vocab_size], each masked by the grammar after forced[:n]
+        for n, logits in enumerate(rows[len(rows) - len(forced) - 1 :]):
+            prefix_logits.append(self.grammar.mask(logits))
+            self.grammar.push(forced[n : n + 1])
+        self.grammar.unwind()
         branches, valid = [], context_len + len(forced)  # rows that still hold the context and forced tokens
         for n, guess in branch_keys(prefix_logits, forced, guesses):  # deepest branch point first
             self.cache.crop(context_len + n)  # the context, forced[:n]; the guess goes next
             valid = min(valid, context_len + n)
-            ids, probs = self._alone(self._sample_chain(torch.tensor([guess]), k))
+            self.grammar.push(forced[:n] + [guess])
+            try:
+                ids, probs = self._alone(self._sample_chain(torch.tensor([guess]), k))
+            finally:
+                self.grammar.unwind()
             branches.append(Branch(n, guess, ids, probs))
         self.cache.crop(valid)
         self.proposal = forced
@@ -125,11 +139,14 @@ class ModelDraftSession:
         yield  # noqa: unreachable - a generator, as the protocol's steps are
 
     def _sample_chain(self, uncached: torch.Tensor, k: int, sides: list | None = None, width: int = 1):
-        """k tokens, each from the logits of a forward pass over the uncached tokens (a generator of Forward);
+        """Up to k tokens, each from the logits of a forward pass over the uncached tokens (a generator of Forward),
+        masked by a constrained request's grammar along the path (fewer where it allows nothing: after an EOS);
         ``sides`` (greedy): filled with each depth's side nodes (``tree.side_ids``)."""
         token_ids, q_rows = [], []
         for _ in range(k):
-            logits = yield Forward(uncached, self.cache)  # [1, vocab_size]
+            logits = self.grammar.mask((yield Forward(uncached, self.cache)))  # [1, vocab_size]
+            if exhausted(logits):
+                break
             if self.params.greedy:  # q is one-hot at the argmax: no need to build it
                 x = logits.argmax(dim=-1)  # [1]
                 if sides is not None:
@@ -139,13 +156,15 @@ class ModelDraftSession:
                 x = sample(q, self.generator)  # [1]
                 q_rows.append(q[0])
             token_ids.append(int(x[0]))
+            self.grammar.push(token_ids[-1:])
             uncached = x
-        return token_ids, None if self.params.greedy else torch.stack(q_rows)  # [k, vocab_size]
+        return token_ids, torch.stack(q_rows) if q_rows else None  # [k', vocab_size]
 
     def accept(self, n_matches: int, next_token: int, features: torch.Tensor | None = None) -> None:  # features: unused
         accepted = check_accept(self.proposal, n_matches)
         context_len = len(self.tokens)
         self.tokens += accepted + [int(next_token)]
+        self.grammar.accept(accepted + [int(next_token)])
         # roll back: keep KV of the context and the accepted drafts only
         self.cache.crop(min(self.cache.seq_len, context_len + n_matches))
         self.proposal = []
@@ -157,19 +176,20 @@ class PromptLookupSession:
 
     tokens: list[int]
     proposal: list[int] = field(default_factory=list)
+    grammar: DraftGrammar = field(default_factory=lambda: DraftGrammar(None))  # cuts a match at a forbidden token
 
     @property
     def nbytes(self) -> int:
         return TOKEN_BYTES * len(self.tokens)
 
     def propose(self, k: int, forced: Sequence[int] = ()) -> DraftProposal:
-        found = find_candidates(self.tokens + list(forced), k)
+        found = self.grammar.allowed_prefix(find_candidates(self.tokens + list(forced), k), after=forced)
         self.proposal = list(forced) + found
         return DraftProposal(found, None)
 
     def pre_draft(self, k: int, forced: Sequence[int], guesses: int) -> DraftProposal:
         """One branch: the n-gram match's next token as the guess, its continuation as the block."""
-        found = find_candidates(self.tokens + list(forced), k + 1)
+        found = self.grammar.allowed_prefix(find_candidates(self.tokens + list(forced), k + 1), after=forced)
         self.proposal = list(forced)
         branches = [Branch(len(forced), found[0], found[1:], None)] if found else []
         return DraftProposal([], None, branches)
@@ -183,7 +203,9 @@ class PromptLookupSession:
         yield  # noqa: unreachable
 
     def accept(self, n_matches: int, next_token: int, features: torch.Tensor | None = None) -> None:  # features: unused
-        self.tokens += check_accept(self.proposal, n_matches) + [int(next_token)]
+        verdict = check_accept(self.proposal, n_matches) + [int(next_token)]
+        self.tokens += verdict
+        self.grammar.accept(verdict)
         self.proposal = []
 
 
@@ -230,6 +252,8 @@ class DraftEngine:
             vocab_size = eagle_head.embed.shape[0]
         self.vocab_size = vocab_size or (draft.vocab_size if draft else 2**31 - 1)
         self.sessions: SessionStore = SessionStore(kind="draft", max_sessions=max_sessions, max_kv_bytes=max_kv_bytes)
+        # constrained requests' grammars, for the target's tokenizer (the draft model shares it: loading.check_pair)
+        self.grammars = Grammars.of(draft) if draft is not None else Grammars(None, vocab_size=self.vocab_size, eos_token_ids=())
         self.batch_passes = {EAGLE_DRAFTER: 0, MODEL_DRAFTER: 0}  # passes propose_batch ran, by model kind
 
     @property
@@ -237,6 +261,10 @@ class DraftEngine:
         """The drafter kinds this engine offers (services.drafters: those whose model or head it holds)."""
         held = {"": True, "model": self.runner is not None, "head": self.eagle_head is not None}
         return tuple(name for name, kind in drafters.kinds().items() if held.get(kind.needs, False))
+
+    def draft_grammar(self, params: SamplingParams) -> DraftGrammar:
+        """A new session's grammar, at the prompt's end (unconstrained: a no-op)."""
+        return DraftGrammar(self.grammars.start(params.constraint))
 
     def start(
         self,
@@ -354,8 +382,10 @@ def _start_model(engine: DraftEngine, ids: list[int], params: SamplingParams, fe
     cache = engine.runner.new_cache()
     if len(ids) > 1:
         engine.runner.forward(torch.tensor(ids[:-1]), cache, last_only=True)
-    return ModelDraftSession(engine.runner, ids, params, make_generator(params.seed, DRAFT_STREAM), cache)
+    return ModelDraftSession(engine.runner, ids, params, make_generator(params.seed, DRAFT_STREAM), cache,
+                             grammar=engine.draft_grammar(params))
 
 
 register(DrafterKind(MODEL_DRAFTER, _start_model, needs="model"))
-register(DrafterKind(PROMPT_LOOKUP_DRAFTER, lambda engine, ids, params, features=None: PromptLookupSession(ids)))
+register(DrafterKind(PROMPT_LOOKUP_DRAFTER, lambda engine, ids, params, features=None:
+                     PromptLookupSession(ids, grammar=engine.draft_grammar(params))))

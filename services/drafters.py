@@ -56,15 +56,16 @@ class DraftProposal:
 
 
 def guess_order(logits: torch.Tensor, width: int, exclude: int | None = None) -> list[int]:
-    """The ``width`` most likely ids of ``logits`` [V] (over the full vocabulary), without ``exclude``."""
+    """The ``width`` most likely ids of ``logits`` [V] (over the full vocabulary), without ``exclude`` and without
+    ids at -inf (a grammar forbids them: services.constraint)."""
     top = torch.topk(logits, min(width + 1, logits.shape[-1])).indices.tolist()
-    return [t for t in top if t != exclude][:width]
+    return [t for t in top if t != exclude and logits[t] > float("-inf")][:width]
 
 
 def branch_keys(prefix_logits: list[torch.Tensor], forced: list[int], guesses: int) -> list[tuple[int, int]]:
     """(n_matches, next_token) verdicts worth a block: all forced tokens accepted then one of ``guesses`` top ids,
     or (with forced tokens) the first rejected and replaced by one of ``guesses - 1`` others (``prefix_logits[n]``:
-    the drafter's logits for the token after forced[:n])."""
+    the drafter's logits for the token after forced[:n], masked by a constrained request's grammar there)."""
     keys = [(len(forced), t) for t in guess_order(prefix_logits[len(forced)], guesses)]
     if forced and guesses > 1:
         keys += [(0, t) for t in guess_order(prefix_logits[0], guesses - 1, exclude=forced[0])]
@@ -91,7 +92,9 @@ def drive(steps, answer):
 
 class DraftSession(Protocol):
     """One sequence's drafter. The steps are generators: each may yield a batched request (``eagle.Rows``,
-    ``draft.Forward``) that the engine answers for all sessions in one pass, and returns the ``DraftProposal``."""
+    ``draft.Forward``) that the engine answers for all sessions in one pass, and returns the ``DraftProposal``.
+    A constrained request's session (``SamplingParams.constraint``) proposes only what its grammar allows: it keeps
+    ``engine.draft_grammar(params)`` (services.constraint.DraftGrammar) along its path and masks q with it."""
 
     @property
     def nbytes(self) -> int: ...  # bytes it holds (the engine's limits count them)

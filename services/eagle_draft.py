@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from services.constraint import DraftGrammar, exhausted
 from services.draft_vocab import scatter_kept
 from services.drafters import (
     DRAFT_STREAM, EAGLE_DRAFTER, Branch, DraftProposal, DrafterKind, branch_keys, check_accept, register,
@@ -93,6 +94,7 @@ class EagleDraftSession:
     next_logits: torch.Tensor | None = None  # [N] the head's logits for the first draft token
     context_g: torch.Tensor | None = None  # [1, h] the feature fed with the first draft token
     proposal: list[int] = field(default_factory=list)
+    grammar: DraftGrammar = field(default_factory=lambda: DraftGrammar(None))  # a constrained request's (masks q)
 
     def __post_init__(self):
         self.state = self.state or eagle.HeadSession(self.head)
@@ -117,7 +119,11 @@ class EagleDraftSession:
         for x in forced:  # through the block being verified, on the head's own predicted features
             logits = yield self.state.chain_rows(x)
         sides = [] if width > 1 and self.params.greedy else None
-        token_ids, probs = yield from self._sample_chain(logits, k, sides, width)
+        self.grammar.push(forced)
+        try:
+            token_ids, probs = yield from self._sample_chain(logits, k, sides, width)
+        finally:
+            self.grammar.unwind()
         self.proposal = list(forced) + token_ids
         if sides:
             tree_ids, parents = with_sides(token_ids, sides)
@@ -132,20 +138,32 @@ class EagleDraftSession:
         forks = [(self.next_logits, state.g)]  # per prefix forced[:n]: logits of the next token, the feature fed with it
         for x in forced:
             forks.append(((yield state.chain_rows(x)), state.g))
-        prefix_logits = [scatter_kept(logits[None], kept, self.vocab_size)[0] for logits, _ in forks]  # [V] each
+        prefix_logits = []  # [V] each, masked by the grammar after forced[:n]
+        for n, (logits, _) in enumerate(forks):
+            prefix_logits.append(self.grammar.mask(scatter_kept(logits[None], kept, self.vocab_size)[0]))
+            self.grammar.push(forced[n : n + 1])
+        self.grammar.unwind()
         branches = []
         for n, guess in sorted(branch_keys(prefix_logits, list(forced), guesses), key=lambda key: -key[0]):
             state.chain_len, state.g = n, forks[n][1]  # rows of forced[:n] stay; deeper forks are done first
-            ids, probs = yield from self._sample_chain((yield state.chain_rows(guess)), k)
+            self.grammar.push([*forced[:n], guess])
+            try:
+                ids, probs = yield from self._sample_chain((yield state.chain_rows(guess)), k)
+            finally:
+                self.grammar.unwind()
             branches.append(Branch(n, guess, ids, probs))
         self.proposal = list(forced)
         return DraftProposal([], None, sorted(branches, key=lambda b: -b.n_matches))
 
     def _sample_chain(self, logits: torch.Tensor, k: int, sides: list | None = None, width: int = 1):
-        """k tokens sampled from the chain, starting from ``logits`` [N] over the kept ids (a generator of Rows);
+        """Up to k tokens sampled from the chain, starting from ``logits`` [N] over the kept ids (a generator of Rows),
+        masked by a constrained request's grammar along the path (fewer where it allows nothing);
         ``sides`` (greedy): filled with each depth's side nodes (``tree.side_ids``)."""
         kept, token_ids, q_rows = self.head.kept_ids, [], []
         for i in range(k):
+            logits = self.grammar.mask(logits, kept)  # [N]
+            if exhausted(logits):
+                break
             if self.params.greedy:
                 x = int(kept[logits.argmax()])
                 if sides is not None:
@@ -155,16 +173,19 @@ class EagleDraftSession:
                 x = int(sample(q, self.generator)[0])
                 q_rows.append(q[0])
             token_ids.append(x)
+            self.grammar.push([x])
             if i + 1 < k:
                 logits = yield self.state.chain_rows(x)
-        return token_ids, None if self.params.greedy else torch.stack(q_rows)  # [k, vocab_size]
+        return token_ids, torch.stack(q_rows) if q_rows else None  # [k', vocab_size]
 
     def accept(self, n_matches: int, next_token: int, features: torch.Tensor | None = None) -> None:
         """Keep n_matches drafts and the target's token; ``features`` [n_matches + 1, hidden] are the verdict's.
 
         Only bookkeeping: the head reads the new positions at the next ``propose`` (steps without drafting cost nothing).
         """
-        self.tokens += check_accept(self.proposal, n_matches) + [int(next_token)]
+        verdict = check_accept(self.proposal, n_matches) + [int(next_token)]
+        self.tokens += verdict
+        self.grammar.accept(verdict)
         self.proposal = []
         if features is not None:
             if features.shape[0] != n_matches + 1:
@@ -194,21 +215,25 @@ class EagleDraftSession:
 
 
 def start_session(head: eagle.EagleHead, vocab_size: int, prompt_ids: Sequence[int], params: SamplingParams,
-                  generator: torch.Generator, features: torch.Tensor | None) -> EagleDraftSession:
-    """A session over the prompt; ``features`` [len(prompt), hidden] are the prefill's."""
+                  generator: torch.Generator, features: torch.Tensor | None,
+                  grammar: DraftGrammar | None = None) -> EagleDraftSession:
+    """A session over the prompt; ``features`` [len(prompt), hidden] are the prefill's; ``grammar``: a constrained
+    request's (``DraftEngine.draft_grammar``)."""
     if features is None:
         raise InvalidRequestError("the EAGLE drafter needs the prompt's target features (prefill with features=True)")
     if features.shape[0] != len(prompt_ids) or features.shape[1] != head.feature_dim:
         raise InvalidRequestError(
             f"prompt features have shape {tuple(features.shape)}, expected ({len(prompt_ids)}, {head.feature_dim})"
         )
-    return EagleDraftSession(head, vocab_size, list(prompt_ids), params, generator, features)
+    return EagleDraftSession(head, vocab_size, list(prompt_ids), params, generator, features,
+                             grammar=grammar or DraftGrammar(None))
 
 
 def start(engine, ids: list[int], params: SamplingParams, features: torch.Tensor | None) -> EagleDraftSession:
     """A session of the engine's head (the kind's ``start``; the hybrid kind wraps it)."""
     vocab_size = engine.eagle_head.embed.shape[0]  # q spans the target's vocabulary, as its verifier's p does
-    return start_session(engine.eagle_head, vocab_size, ids, params, make_generator(params.seed, DRAFT_STREAM), features)
+    return start_session(engine.eagle_head, vocab_size, ids, params, make_generator(params.seed, DRAFT_STREAM), features,
+                         engine.draft_grammar(params))
 
 
 # an EAGLE chain step is ~1/8 of a target step: a pre-draft affords a block after each of 3 guesses

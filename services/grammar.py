@@ -208,6 +208,11 @@ class GrammarState:
         """The tokens so far are a complete document (an EOS id may come next)."""
         return self._eos_at is not None or self._matcher.is_accepting()
 
+    @property
+    def ended(self) -> bool:
+        """An EOS id was taken: no token at all may be advanced over now (a drafter stops its path here)."""
+        return self._eos_at is not None
+
     def is_terminated(self) -> bool:
         """Nothing but the end may follow: an EOS id was taken, or the document is complete and admits no more."""
         return self._eos_at is not None or self._matcher.is_stopped()

@@ -38,7 +38,8 @@ class HybridSession:
         return self.eagle.nbytes
 
     def propose_steps(self, k: int, forced: Sequence[int] = (), width: int = 1):
-        lookup = find_candidates(self.eagle.tokens + list(forced), k)
+        # (a constrained request's lookup stops before the first token its grammar forbids)
+        lookup = self.eagle.grammar.allowed_prefix(find_candidates(self.eagle.tokens + list(forced), k), after=forced)
         if len(lookup) < min(MIN_LOOKUP, k):
             return (yield from self.eagle.propose_steps(k, forced, width))
         self.lookups += 1

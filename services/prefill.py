@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from services.constraint import Grammars, masked, row_masks
 from services.errors import SessionNotFoundError
 from services.kv import KVPayload
 from services.loading import LoadedModel
@@ -77,6 +78,7 @@ class PrefillEngine:
     def __init__(self, target: LoadedModel, *, prefix_cache_bytes: int = 0):
         self.target = target
         self.runner = make_runner(target)
+        self.grammars = Grammars.of(target)  # constrained requests' (SamplingParams.constraint)
         self._partial: dict[str, tuple[object, list[torch.Tensor]]] = {}  # request id -> (KV, features) between chunks
         # recent prompts' KV, reused by prompts that start like them (services.prefix_cache); 0 bytes: off
         self.prefix_cache = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes > 0 else None
@@ -109,6 +111,8 @@ class PrefillEngine:
             try:
                 if call.start == 0:
                     call.params.validate()
+                    if call.params.constraint is not None:  # a bad schema fails before any pass
+                        self.grammars.compile(call.params.constraint)
                     validate_prompt(call.prompt_ids, max_context=self.target.max_context, vocab_size=self.target.vocab_size)
                     hit = self._lookup(call)
                     if hit is not None and not call.features and len(call.prompt_ids) - hit.length <= call.local_tokens:
@@ -149,6 +153,8 @@ class PrefillEngine:
         if done < len(call.prompt_ids):
             self._partial[call.request_id] = (cache, feats)
             return PrefillProgress(done)
+        # (a constrained request's first token comes from the row masked by its grammar after its prefix)
+        logits = masked(logits, row_masks(self.grammars.start(call.params.constraint), [], []))  # [1, V]
         first_token = draw_first_token(logits, call.params)
         result = PrefillResult(
             first_token=first_token,

@@ -10,7 +10,7 @@ lost.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from services.sampling import SamplingParams, reseeded
 
@@ -26,5 +26,7 @@ class Resumption:
 def resume_from(prompt_ids: list[int], params: SamplingParams, max_new_tokens: int, emitted: list[int]) -> Resumption:
     if not emitted:
         return Resumption(list(prompt_ids), params, None, max_new_tokens)
-    return Resumption(list(prompt_ids) + emitted[:-1], reseeded(params, len(emitted)), emitted[-1],
-                      max_new_tokens - (len(emitted) - 1))
+    params = reseeded(params, len(emitted))
+    if params.constraint is not None:  # its grammar starts after the answer's tokens the context holds
+        params = replace(params, constraint=params.constraint.after(emitted[:-1]))
+    return Resumption(list(prompt_ids) + emitted[:-1], params, emitted[-1], max_new_tokens - (len(emitted) - 1))

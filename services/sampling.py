@@ -27,6 +27,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from services.constraint import Constraint
 from services.errors import InvalidRequestError
 
 # Temperatures at or below this are treated as greedy decoding.
@@ -45,6 +46,9 @@ class SamplingParams:
     # the target's log-probability of each emitted token and of its n most likely alternatives (services.logprobs);
     # None = none. Changes no token: only what the target's pass returns besides them
     logprobs: int | None = None
+    # the JSON schema the answer follows (services.constraint): every distribution a token is drawn from, the
+    # target's and the drafter's, is masked by the request's grammar first; None = unconstrained
+    constraint: Constraint | None = None
 
     @property
     def greedy(self) -> bool:
@@ -52,8 +56,9 @@ class SamplingParams:
 
     @property
     def argmax_only(self) -> bool:
-        """Greedy without logprobs: each row's argmax id is all a target pass must return (``kernels.greedy_head``)."""
-        return self.greedy and self.logprobs is None
+        """Greedy without logprobs or a constraint: each row's argmax id is all a target pass must return
+        (``kernels.greedy_head``); a constrained row's argmax is of its masked logits."""
+        return self.greedy and self.logprobs is None and self.constraint is None
 
     def validate(self) -> "SamplingParams":
         """Raise InvalidRequestError with a user-facing message if out of range."""
@@ -71,6 +76,8 @@ class SamplingParams:
             raise InvalidRequestError(f"seed must be an integer, got {self.seed!r}")
         if self.logprobs is not None and (type(self.logprobs) is not int or not 0 <= self.logprobs <= MAX_TOP_LOGPROBS):
             raise InvalidRequestError(f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs!r}")
+        if self.constraint is not None:
+            self.constraint.validate()
         return self
 
 

@@ -71,12 +71,12 @@ def chain_length(parents: Sequence[int]) -> int:
 
 def side_ids(logits: torch.Tensor, width: int, chosen: int, depth: int = 0) -> list[int]:
     """The side nodes at ``depth`` of a tree of ``width`` (``sides_at``): the most likely ids of ``logits`` [V] other
-    than the chain's ``chosen`` one."""
+    than the chain's ``chosen`` one (never an id at -inf: one a grammar forbids, services.constraint)."""
     n = sides_at(depth, width)
     if n <= 0:
         return []
     top = torch.topk(logits, min(n + 1, logits.shape[-1])).indices.tolist()
-    return [int(t) for t in top if t != chosen][:n]
+    return [int(t) for t in top if t != chosen and logits[t] > float("-inf")][:n]
 
 
 def with_sides(chain: list[int], sides: list[list[int]]) -> tuple[list[int], list[int]]:

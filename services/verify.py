@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
 
+from services.constraint import Grammars, follow, masked, row_masks
 from services.errors import InvalidRequestError
+from services.grammar import GrammarState
 from services.kv import KVPayload
 from services.loading import LoadedModel
 from services.logprobs import TokenLogprob, token_logprobs
@@ -17,7 +21,7 @@ from services.sampling import (
     SamplingParams, argmax_ids, greedy_verify, logits_to_probs, make_generator, speculative_sample,
 )
 from services.sessions import DEFAULT_MAX_KV_BYTES, DEFAULT_MAX_SESSIONS, SessionStore
-from services.tree import DraftTree, chain_length
+from services.tree import DraftTree, chain_length, chain_parents
 from services.validation import MAX_DRAFT_TOKENS
 
 VERIFY_STREAM = 2  # random stream of accept/reject draws (see sampling.make_generator)
@@ -37,6 +41,7 @@ class VerifySession:
     # before ``pending``; the first step computes them and draws the first token, as prefill would have
     prompt_rest: list[int] = field(default_factory=list)
     prefilling: bool = False  # the first step is still to come (it takes no drafts)
+    grammar: GrammarState | None = None  # after every emitted token (pending included): a constrained request's
 
     @property
     def nbytes(self) -> int:
@@ -92,6 +97,10 @@ class VerifyEngine:
         self.sessions: SessionStore[VerifySession] = SessionStore(
             kind="verify", max_sessions=max_sessions, max_kv_bytes=max_kv_bytes
         )
+        self.grammars = Grammars.of(target)  # constrained requests' (SamplingParams.constraint)
+        # computes a pass's grammar masks while the target runs it (llguidance and torch both release the GIL)
+        self._masker = ThreadPoolExecutor(1, thread_name_prefix="splitspec-masks")
+        self.mask_s: float | None = None  # seconds the last pass's masks took (None: no constrained session in it)
 
     def open(self, request_id: str, payload: KVPayload, first_token: int | None, params: SamplingParams, *,
              features: bool = False, prompt_rest: Sequence[int] = ()) -> None:
@@ -112,7 +121,10 @@ class VerifyEngine:
         generator = make_generator(params.seed, VERIFY_STREAM)
         rest = [int(t) for t in prompt_rest]
         pending = int(first_token) if first_token is not None else rest.pop()
-        self.sessions.put(request_id, VerifySession(cache, pending, params, generator, features, rest, bool(prompt_rest)))
+        grammar = self.grammars.start(params.constraint)
+        follow(grammar, [first_token] if first_token is not None else [])  # (else the first step draws it)
+        self.sessions.put(request_id, VerifySession(cache, pending, params, generator, features, rest, bool(prompt_rest),
+                                                    grammar=grammar))
 
     def verify(
         self,
@@ -136,6 +148,7 @@ class VerifyEngine:
         gets its error in its slot; the others go on.
         """
         results: list[VerifyResult | Exception | None] = [None] * len(calls)
+        self.mask_s = None
         checked = []  # (slot, call, session, draft [k], tree or None)
         for slot, call in enumerate(calls):
             try:
@@ -154,17 +167,39 @@ class VerifyEngine:
         trees = [tree for *_, tree in checked]
         greedy = [session.params.argmax_only for _, _, session, _, _ in checked]
         prefilling = [session.prefilling for _, _, session, _, _ in checked]
+        # constrained sessions: the grammar's allowed ids at each of their rows, computed beside the pass
+        masks = self._masker.submit(self._row_masks, checked) if any(s.grammar is not None for _, _, s, _, _ in checked) else None
         all_logits, all_features = self.runner.forward_batch(  # per session: [k + 1, V] ([k + 1] ids if argmax_only), [k + 1, hidden]
             chunks, greedy=greedy, last_only=prefilling, **({"trees": trees} if any(trees) else {}))
-        for (slot, call, session, draft, tree), start, logits, features in zip(checked, starts, all_logits, all_features):
+        all_allowed = masks.result() if masks is not None else [None] * len(checked)  # per session [k + 1, V] bool
+        for (slot, call, session, draft, tree), start, logits, features, allowed in zip(
+                checked, starts, all_logits, all_features, all_allowed):
             try:
+                if isinstance(allowed, Exception):
+                    raise allowed
+                logits = masked(logits, allowed)  # the target's logits as the grammar allows them (p is masked)
                 results[slot] = self._verdict(call, session, draft, tree, start, logits, features)
+                follow(session.grammar, results[slot].token_ids)  # a constrained session's: after the emitted tokens
             except Exception as exc:  # noqa: BLE001 - this session's step fails alone; its rows of the pass are dropped
                 session.cache.crop(min(start, session.cache.seq_len))
                 results[slot] = exc
         for _, call, *_ in checked:
             self.sessions.enforce_limits(keep=call.request_id)
         return results
+
+    def _row_masks(self, checked: list) -> list[torch.Tensor | Exception | None]:
+        """Per session, the ids its grammar allows at each row of the pass ([k + 1, V] bool; None: unconstrained): row
+        0 after the emitted tokens, row i after the draft path to node i - 1. An error (a draft the grammar forbids:
+        drafters propose from masked q, so a fault) is that session's alone. Times them all (``mask_s``)."""
+        start, out = time.perf_counter(), []
+        for _, _, session, draft, tree in checked:
+            try:
+                parents = tree.parents if tree is not None else chain_parents(len(draft))
+                out.append(row_masks(session.grammar, draft.tolist(), parents))
+            except Exception as exc:  # noqa: BLE001 - services.errors.GrammarStateError, for that session's slot
+                out.append(exc)
+        self.mask_s = time.perf_counter() - start
+        return out
 
     def _verdict(self, call: VerifyCall, session: VerifySession, draft: torch.Tensor, tree: DraftTree | None,
                  start: int, logits: torch.Tensor, features: torch.Tensor) -> VerifyResult:

@@ -86,6 +86,11 @@ PANELS = [
         ("rows p50 {{stage}}", _q(0.5, "ray_splitspec_batch_rows", "stage")),
         ("rows p95 {{stage}}", _q(0.95, "ray_splitspec_batch_rows", "stage")),
     ), "How many concurrent requests' calls share one engine pass (continuous batching)."),
+    Panel("Grammar mask time per verify pass p50 / p95", "s", (
+        ("p50", _q(0.5, "ray_splitspec_grammar_mask_seconds")),
+        ("p95", _q(0.95, "ray_splitspec_grammar_mask_seconds")),
+    ), "Structured outputs: the masks of a pass's constrained sessions, computed beside the target's pass "
+       "(compare with the verify stage's step latency)."),
     Panel("Prompts prefilled per second, by stage", "reqps", (
         ("{{stage}}", f"sum by (stage) (rate(ray_splitspec_prefills_total{{{APP}}}[{RATE}]))"),
     ), "prefill: a pass of the prefill stage; verify: the prefix cache held all but a few positions "

@@ -47,6 +47,7 @@ def make_request(
     stream: bool = False,
     logprobs: bool = False,
     top_logprobs: int = 0,
+    json_schema: str = "",
 ):
     """A GenerateRequest (or GenerateStreamRequest with ``stream``) from keyword arguments."""
     cls = pb.GenerateStreamRequest if stream else pb.GenerateRequest
@@ -60,6 +61,7 @@ def make_request(
         speculation=pb.SpeculationPolicy(mode=MODES[speculate], num_draft_tokens=num_draft_tokens, drafter=drafter),
         logprobs=logprobs,
         top_logprobs=top_logprobs,
+        json_schema=json_schema,
     )
     if overlap is not None:
         request.speculation.overlap = overlap

@@ -53,6 +53,16 @@ def test_logprobs_become_the_grpc_fields(model, raw, logprobs, top):
     assert (request.logprobs, request.top_logprobs) == (logprobs, top)
 
 
+@pytest.mark.parametrize("response_format,schema", [
+    (None, ""), ({"type": "text"}, ""), ({"type": "json_object"}, '{"type": "object"}'),
+    ({"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "integer"}, "strict": True}},
+     '{"type": "integer"}'),
+])
+def test_response_format_becomes_the_json_schema(response_format, schema):
+    """Structured outputs: json_object asks for any object, json_schema for its schema (as text); text for nothing."""
+    assert request_of(CHAT, chat_body(response_format=response_format)).json_schema == schema
+
+
 def test_openai_defaults():
     """Unset temperature samples at 1 (OpenAI's default); chat leaves max tokens to the server, completions take 16."""
     chat = request_of(CHAT, chat_body())
@@ -67,7 +77,9 @@ def test_openai_defaults():
     (CHAT, chat_body(logprobs=True, top_logprobs=21), "top_logprobs: Input should be less than or equal to 20"),
     (CHAT, chat_body(logprobs=True, top_logprobs=-1), "top_logprobs: Input should be greater than or equal to 0"),
     (CHAT, chat_body(tool_choice="auto"), "tool_choice: not supported"),
-    (CHAT, chat_body(response_format={"type": "json_object"}), "response_format: not supported"),
+    (CHAT, chat_body(response_format={"type": "xml"}), "response_format.type must be text, json_object or json_schema"),
+    (CHAT, chat_body(response_format={"type": "json_schema", "json_schema": {"name": "x"}}),
+     "response_format of type json_schema needs its schema"),
     (CHAT, chat_body(frequency_penalty=1, logit_bias={"5": 1}), "frequency_penalty, logit_bias: not supported"),
     (CHAT, chat_body(stream_options={"include_usage": True}), "stream_options is only allowed when stream is true"),
     (CHAT, chat_body(messages=[{"role": "tool", "content": "x"}]), "role must be one of"),
@@ -77,6 +89,7 @@ def test_openai_defaults():
     (CHAT, b"{oops", "invalid request body"),
     (TEXT, b'{"prompt": "a", "echo": true, "best_of": 2}', "echo, best_of: not supported"),
     (TEXT, b'{"prompt": "a", "suffix": "z"}', "suffix: not supported"),
+    (TEXT, b'{"prompt": "a", "response_format": {"type": "json_object"}}', "response_format: not supported"),
     (TEXT, b'{"prompt": "a", "logprobs": 21}', "logprobs: Input should be less than or equal to 20"),
     (TEXT, b'{"prompt": ["a", "b"]}', "prompt has 2 strings: send one prompt per request"),
     (TEXT, b'{"prompt": [[1, 2]]}', "token-id prompts are not supported"),

@@ -1,9 +1,13 @@
 """The OpenAI-compatible HTTP API, through the real `openai` client and Serve's HTTP proxy: greedy chat equals the gRPC
 answer and the target alone, streamed deltas concatenate to the whole answer, usage counts match, logprobs under
-speculation equal speculation off's (and gRPC's), bad input is a 400 in OpenAI's error JSON, and the service goes on
-serving."""
+speculation equal speculation off's (and gRPC's), structured outputs are schema-valid JSON and the same with
+speculation on and off, bad input is a 400 in OpenAI's error JSON, and the service goes on serving."""
 
+import json
+
+import grpc
 import httpx2 as httpx
+import jsonschema
 import openai
 import pytest
 
@@ -235,6 +239,9 @@ BAD = [  # (body fields over a good chat request, status, words of the message)
     (dict(speculation={"drafter": "oracle"}), 400, "unknown drafter"),
     (dict(speculation={"num_draft_tokens": 17}), 400, "num_draft_tokens (k) must be"),
     (dict(model="gpt-4o"), 404, "does not exist"),
+    (dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"not": {"type": "string"}}}}),
+     400, 'Unimplemented keys: ["not"]'),
+    (dict(response_format={"type": "yaml"}), 400, "response_format.type must be"),
 ]
 
 
@@ -248,10 +255,43 @@ def test_bad_input_gets_its_status_in_openai_error_json(client, fields, status, 
     assert message in error["message"] and error["type"] in ("invalid_request_error", "not_found_error")
 
 
+PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer", "minimum": 0}},
+          "required": ["name", "age"], "additionalProperties": False}
+FORMATS = [({"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}, PERSON),
+           ({"type": "json_object"}, {"type": "object"})]
+SPECULATE = [{"mode": "on", "num_draft_tokens": 3, "drafter": "eagle"}, {"mode": "on", "num_draft_tokens": 3,
+                                                                          "drafter": "model"}, {"mode": "default"}]
+
+
+@pytest.mark.parametrize("response_format,schema", FORMATS, ids=["json_schema", "json_object"])
+def test_structured_outputs_are_schema_valid_and_speculation_changes_nothing(client, oai, response_format, schema):
+    """The openai client gets JSON valid under the schema, the same answer with speculation on as off (greedy), and
+    gRPC's json_schema field gives it too."""
+    prompt = "Give a person's name and age as JSON."
+    off = chat(oai, prompt, temperature=0, max_tokens=64, response_format=response_format,
+               extra_body={"speculation": {"mode": "off"}})
+    assert off.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(off.choices[0].message.content), schema)
+    for speculation in SPECULATE:
+        on = chat(oai, prompt, temperature=0, max_tokens=64, response_format=response_format,
+                  extra_body={"speculation": speculation})
+        assert on.choices[0].message.content == off.choices[0].message.content, speculation
+    grpc_answer = client.generate(messages=[("user", prompt)], max_new_tokens=64,
+                                  json_schema=json.dumps(response_format.get("json_schema", {}).get("schema", schema)))
+    assert grpc_answer.text == off.choices[0].message.content
+
+
 def test_bad_input_through_the_openai_client_and_service_goes_on(client, oai):
     with pytest.raises(openai.BadRequestError) as err:
         chat(oai, "hi", n=3)
     assert "one choice per request" in err.value.message
+    with pytest.raises(openai.BadRequestError) as err:  # a schema llguidance cannot compile: its reason
+        chat(oai, "hi", response_format={"type": "json_schema",
+                                         "json_schema": {"name": "x", "schema": {"type": "string", "format": "weird"}}})
+    assert "Unknown format: weird" in err.value.message
+    with pytest.raises(grpc.RpcError) as err:  # gRPC's json_schema field: INVALID_ARGUMENT with the reason
+        client.generate("hi", json_schema='{"type": "array", "uniqueItems": true}')
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "uniqueItems" in err.value.details()
     with pytest.raises(openai.BadRequestError):
         oai.completions.create(model=MODEL, prompt=[1, 2, 3])
     for raw in (b"{not json", b"[]", b'{"model": "x"}'):

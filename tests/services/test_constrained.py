@@ -1,0 +1,201 @@
+"""Structured outputs under speculation (services.constraint): greedy answers equal constrained decoding without
+speculation, token for token, for every drafter kind (chains, trees, pre-drafts); no drafter proposes a token the
+grammar forbids; sampled tokens follow the masked target distribution (chi-square); answers are schema-valid JSON."""
+
+import json
+
+import jsonschema
+import pytest
+import torch
+
+from services.constraint import Constraint, Grammars
+from services.draft import DraftEngine
+from services.eagle_draft import installed_head
+from services.errors import InvalidGrammarError
+from services.grammar import JSON_OBJECT_SCHEMA, unpack_bitmask
+from services.loading import load_causal_lm
+from services.loop import generate
+from services.models import eagle
+from services.models.tiny import random_pair
+from services.prefill import PrefillEngine
+from services.sampling import SamplingParams, logits_to_probs
+from services.tree import chain_parents
+from services.verify import VerifyEngine
+from tests.services.test_sampling import assert_follows
+
+NEW_TOKENS = 48
+SCHEMAS = [
+    {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer", "minimum": 0}},
+     "required": ["name", "age"], "additionalProperties": False},
+    {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]}, "ok": {"type": "boolean"}},
+     "required": ["color", "ok"], "additionalProperties": False},
+    {"type": "array", "items": {"type": "integer"}, "minItems": 1, "maxItems": 3},
+    json.loads(JSON_OBJECT_SCHEMA),
+]
+QUESTIONS = ["Give a person's name and age as JSON.", "Pick a color and say if it is ok, as JSON.",
+             "List three small numbers as a JSON array.", "Reply with the JSON object {\"ok\": true}."]
+# (drafter, k, tree width, pre-drafting)
+DRAFTS = [("model", 3, 1, False), ("model", 3, 3, False), ("eagle", 3, 1, False), ("eagle", 3, 3, False),
+          ("hybrid", 3, 3, False), ("prompt_lookup", 3, 1, False), ("eagle", 2, 1, True), ("model", 2, 1, True)]
+DRAWS = 800
+
+
+class CheckingVerify(VerifyEngine):
+    """The real verifier, asserting first that every draft token it gets is one its row's grammar mask allows."""
+
+    checked = 0
+
+    def verify_batch(self, calls):
+        for call in calls:
+            grammar = self.sessions.get(call.request_id).grammar
+            if grammar is None or not call.draft_token_ids:
+                continue
+            parents = list(call.tree_parents or chain_parents(len(call.draft_token_ids)))
+            allowed = unpack_bitmask(grammar.tree_masks(call.draft_token_ids, parents), grammar.compiler.vocab_size)
+            for token, parent in zip(call.draft_token_ids, parents):
+                assert allowed[parent, token], f"draft token {token} is forbidden after row {parent}"
+            self.checked += len(call.draft_token_ids)
+        return super().verify_batch(calls)
+
+
+def chat(tokenizer, question: str) -> list[int]:
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
+                                        tokenize=True, return_dict=False)
+    return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+
+
+def constrained(schema, **kwargs) -> SamplingParams:
+    return SamplingParams(constraint=Constraint(json.dumps(schema)), **kwargs)
+
+
+@pytest.fixture(scope="module")
+def engines(default_pair):
+    target, draft = default_pair
+    return (PrefillEngine(target), DraftEngine(draft, eagle_head=installed_head(draft, target)), CheckingVerify(target))
+
+
+@pytest.fixture(scope="module")
+def references(default_pair, engines):
+    """Per schema: the constrained answer without speculation (the same loop, no drafts)."""
+    target, _ = default_pair
+    prefill, _, verify = engines
+    return [generate(prefill, None, verify, chat(target.tokenizer, q), max_new_tokens=NEW_TOKENS, num_draft_tokens=1,
+                     params=constrained(s)) for s, q in zip(SCHEMAS, QUESTIONS)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schema", range(len(SCHEMAS)))
+def test_answers_are_schema_valid_json(default_pair, references, schema):
+    """Constrained greedy answers of the default target end (EOS) and parse as JSON valid under the schema."""
+    tokenizer = default_pair[0].tokenizer
+    result = references[schema]
+    assert result.finish_reason == "stop"
+    jsonschema.validate(json.loads(tokenizer.decode(result.token_ids, skip_special_tokens=True)), SCHEMAS[schema])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("drafter,k,width,overlap", DRAFTS)
+def test_greedy_with_speculation_equals_speculation_off(default_pair, engines, references, drafter, k, width, overlap):
+    """Every drafter kind, chains, trees and pre-drafts: the constrained answers are the same, token for token, and
+    every draft token the verifier got was allowed by its row's grammar."""
+    target, _ = default_pair
+    prefill, draft, verify = engines
+    before, accepted = verify.checked, 0
+    for schema, question, reference in zip(SCHEMAS, QUESTIONS, references):
+        result = generate(prefill, draft, verify, chat(target.tokenizer, question), max_new_tokens=NEW_TOKENS,
+                          num_draft_tokens=k, params=constrained(schema), drafter=drafter, tree_width=width,
+                          overlap=overlap)
+        assert result.token_ids == reference.token_ids, json.dumps(schema)
+        accepted += result.stats.accepted
+    assert verify.checked > before and (accepted > 0 or drafter == "prompt_lookup")
+
+
+@pytest.fixture(scope="module")
+def random_engines(tmp_path_factory, default_pair):
+    """A small random pair with the default target's tokenizer, and a random EAGLE head over the whole vocabulary:
+    their distributions spread over all of it, so unmasked drafts would be forbidden almost always."""
+    from services.models import default_pair as dp
+
+    target_dir, draft_dir = random_pair(tmp_path_factory.mktemp("pair"), dp.target_dir(), "small")
+    target, draft = load_causal_lm(target_dir), load_causal_lm(draft_dir)
+    torch.manual_seed(3)
+    kept = torch.arange(target.vocab_size)
+    head = eagle.EagleHead(target.model, eagle.EagleConfig(draft_vocab=len(kept)), kept, target.config.hidden_size).eval()
+    return target, PrefillEngine(target), DraftEngine(draft, eagle_head=head), CheckingVerify(target)
+
+
+@pytest.mark.parametrize("drafter", ["model", "eagle", "hybrid"])
+def test_sampled_drafts_are_always_allowed(random_engines, drafter):
+    """Sampled at temperature 1 from random models, every draft token (q masked along its path) is allowed."""
+    _, prefill, draft, verify = random_engines
+    before = verify.checked
+    for seed in range(3):
+        generate(prefill, draft, verify, [1, 2, 3, 4], max_new_tokens=24, num_draft_tokens=3, drafter=drafter,
+                 params=constrained(SCHEMAS[0], temperature=1.0, seed=seed))
+    assert verify.checked > before
+
+
+def assert_allowed_path(state, tokens: list[int]) -> None:
+    """Each of ``tokens`` is in the grammar's mask after the ones before it (the state is the same afterwards)."""
+    state = state.fork()
+    for token in tokens:
+        assert state.allowed()[token], f"token {token} of {tokens} is forbidden"
+        state.advance(token)
+
+
+@pytest.mark.parametrize("drafter", ["model", "eagle"])
+def test_pre_drafted_blocks_are_allowed(random_engines, drafter):
+    """Pre-drafting after a block: each branch's guess and block are allowed after the block's accepted prefix."""
+    _, prefill, draft, _ = random_engines
+    params = constrained(SCHEMAS[0], temperature=1.0, seed=5)
+    prompt = [1, 2, 3, 4]
+    result = prefill.prefill(prompt, params, features=True)
+    state = Grammars.of(prefill.target).start(params.constraint)
+    state.advance(result.first_token)
+    for session in ("block", "pre"):  # (a block to pre-draft after, from a session of its own)
+        draft.start(session, prompt, params, drafter, result.features)
+        draft.accept(session, 0, result.first_token)
+    block = draft.propose("block", 3).token_ids
+    assert_allowed_path(state, block)
+    branches = draft.propose("pre", 3, forced=block, guesses=3).branches
+    draft.close("block")
+    draft.close("pre")
+    assert branches
+    for branch in branches:
+        assert_allowed_path(state, block[: branch.n_matches] + [branch.next_token] + branch.token_ids)
+
+
+@pytest.mark.parametrize("drafter", ["model", "eagle"])
+def test_sampled_tokens_follow_the_masked_target(random_engines, drafter):
+    """With the first token fixed, the first verified token follows the target's p masked by the grammar
+    (chi-square), drafts from the drafter's masked q."""
+    target, prefill, draft, verify = random_engines
+    schema = {"type": "integer"}
+    prompt, first = [1, 2, 3, 4], target.tokenizer.encode("4", add_special_tokens=False)[0]
+    params = constrained(schema, temperature=1.0)
+    result = prefill.prefill(prompt, params, features=True)
+    with torch.inference_mode():
+        logits = target.model(input_ids=torch.tensor([prompt + [first]])).logits[0, -1:].float()  # [1, V]
+    state = Grammars.of(target).start(params.constraint)
+    state.advance(first)
+    p = logits_to_probs(logits.masked_fill(~state.allowed(), float("-inf")), params)[0]  # [V]
+    counts = torch.zeros(target.vocab_size)
+    for seed in range(DRAWS):
+        seeded = constrained(schema, temperature=1.0, seed=seed)
+        verify.open("r", result.payload, first, seeded, features=True)
+        draft.start("r", prompt, seeded, drafter, result.features)
+        draft.accept("r", 0, first)
+        proposal = draft.propose("r", 2)
+        verdict = verify.verify("r", proposal.token_ids, proposal.probs)
+        counts[verdict.token_ids[0]] += 1
+        verify.close("r")
+        draft.close("r")
+    assert_follows(counts, p)
+
+
+@pytest.mark.parametrize("schema,reason", [("nope", "not JSON"), ('{"not": {"type": "string"}}', "not"),
+                                           ('{"type": "string", "format": "weird"}', "Unknown format: weird")])
+def test_a_bad_schema_is_refused_with_the_reason(random_engines, schema, reason):
+    _, prefill, _, _ = random_engines
+    with pytest.raises(InvalidGrammarError, match=reason):
+        prefill.prefill([1, 2, 3], SamplingParams(constraint=Constraint(schema)))
