@@ -229,17 +229,23 @@ class GrammarState:
         path to node i - 1 (its ancestors' tokens, then its own). ``tokens[i]`` is node i's token and
         ``parents[i]`` its parent's row (0 = this state), parents before children (services.tree's layout).
         Row r masks the logits that row r scores (the next token after its path), the target's and the drafter's.
-        Every node's token must be allowed after its parent (drafts come from masked q: GrammarStateError if not).
-        The state is the same afterwards."""
+        A node whose token its parent's mask forbids (a drafter kind that does not mask) gets its parent's mask, and
+        so do its descendants: the target's masked p is 0 there, so no verdict accepts them. The state is the same
+        afterwards."""
         if len(tokens) != len(parents):
             raise GrammarStateError(f"{len(tokens)} tree tokens but {len(parents)} parents")
         out = torch.empty(1 + len(tokens), self.compiler.words, dtype=torch.int32) if out is None else out
         self.fill_bitmask(out, 0)
         path: list[int] = []  # rows advanced over, from row 0 down
+        dead: set[int] = set()  # rows whose path holds a forbidden token
         try:
             for i, (token, parent) in enumerate(zip(tokens, parents)):
                 if not 0 <= parent <= i:
                     raise GrammarStateError(f"tree node {i}'s parent is row {parent}; a parent precedes its child")
+                if parent in dead or not _allows(out[parent], token, self.compiler.vocab_size):
+                    dead.add(i + 1)
+                    out[i + 1] = out[parent]
+                    continue
                 wanted = _ancestors(parents, parent)  # rows from row 0 to the parent, row 0 excluded
                 keep = _common_prefix(path, wanted)
                 self.rollback(len(path) - keep)
@@ -253,6 +259,10 @@ class GrammarState:
         finally:
             self.rollback(len(path))
         return out
+
+
+def _allows(bitmask: torch.Tensor, token: int, vocab_size: int) -> bool:  # bitmask: [words]
+    return 0 <= token < vocab_size and bool((int(bitmask[token // BITS]) >> (token % BITS)) & 1)
 
 
 def pack_bitmask(allowed: torch.Tensor) -> torch.Tensor:

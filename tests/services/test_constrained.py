@@ -199,3 +199,23 @@ def test_a_bad_schema_is_refused_with_the_reason(random_engines, schema, reason)
     _, prefill, _, _ = random_engines
     with pytest.raises(InvalidGrammarError, match=reason):
         prefill.prefill([1, 2, 3], SamplingParams(constraint=Constraint(schema)))
+
+
+@pytest.mark.parametrize("params", [{}, {"temperature": 1.0, "seed": 3}], ids=["greedy", "sampled"])
+def test_a_forbidden_draft_is_rejected_not_an_error(default_pair, params):
+    """A drafter kind that does not mask (a custom one) may propose what the grammar forbids: the verifier rejects
+    it (its masked p is 0) and emits what the grammar allows, as with no draft at all."""
+    target, _ = default_pair
+    prefill, verify = PrefillEngine(target), VerifyEngine(target)
+    request = constrained(SCHEMAS[0], **params)
+    prompt = chat(target.tokenizer, QUESTIONS[0])
+    handoff = prefill.prefill(prompt, request)
+    forbidden = min(target.eos_token_ids)  # (the document has not begun: EOS is not allowed)
+    verdicts = []
+    for name, draft in (("forbidden", [forbidden, forbidden]), ("none", [])):
+        verify.open(name, handoff.payload, handoff.first_token, request)
+        try:
+            verdicts.append(verify.verify(name, draft))
+        finally:
+            verify.close(name)
+    assert verdicts[0].n_matches == 0 and verdicts[0].token_ids == verdicts[1].token_ids

@@ -180,7 +180,8 @@ def test_tree_masks_of_the_side_tree_layout(compiler, model_info):
 
 
 def test_forbidden_tokens_raise_and_leave_the_state(compiler, model_info):
-    """A token the grammar forbids (in advance or in a tree) raises GrammarStateError; the state is as before."""
+    """A token the grammar forbids raises GrammarStateError in advance (in a tree it is a dead node: the test
+    below); the state is as before."""
     state = compiler.json_schema(PERSON).start()
     state.advance_many(encode(compiler, model_info, '{"name": "x", "age": '))
     before, n = state.bitmask(), state.n_tokens
@@ -190,8 +191,8 @@ def test_forbidden_tokens_raise_and_leave_the_state(compiler, model_info):
         with pytest.raises(GrammarStateError):
             state.advance(bad)
     digit = encode(compiler, model_info, "4")[0]
-    with pytest.raises(GrammarStateError):
-        state.tree_masks([digit, letter], [0, 1])
+    masks = state.tree_masks([digit, letter], [0, 1])
+    assert torch.equal(masks[2], masks[1])  # the forbidden node keeps its parent's mask
     with pytest.raises(GrammarStateError):
         state.rollback(n + 1)
     assert torch.equal(state.bitmask(), before) and state.n_tokens == n
@@ -248,3 +249,24 @@ def test_mask_logits_and_bitmask_packing(compiler, model_info):
     masked = mask_logits(logits, allowed.expand(2, -1))
     assert torch.equal(masked.isfinite(), allowed.expand(2, -1))
     assert torch.equal(masked[allowed.expand(2, -1)], logits[allowed.expand(2, -1)])
+
+
+def test_a_forbidden_draft_node_and_its_subtree_get_their_parents_mask(compiler, model_info):
+    """A drafter kind that does not mask may propose a forbidden token: its row (and its children's) gets the
+    parent's mask (finite logits, p = 0 at the forbidden token, so no verdict accepts it); the other rows are the
+    sequential masks, and the state is unchanged."""
+    grammar = compiler.json_schema(PERSON)
+    prefix = encode(compiler, model_info, '{"name": "')
+    chain = encode(compiler, model_info, 'Ada Lovelace Byron')[:2]
+    state = grammar.start()
+    state.advance_many(prefix)
+    row1 = unpack_bitmask(state.tree_masks(chain, [0, 1])[1], compiler.vocab_size)
+    forbidden = next(t for t in range(compiler.vocab_size) if not row1[t])
+    # chain[0] (allowed), then a forbidden child of it, a child of that, and an allowed sibling chain[1]
+    tokens, parents = [chain[0], forbidden, chain[1], chain[1]], [0, 1, 2, 1]
+    masks = state.tree_masks(tokens, parents)
+    assert torch.equal(masks[2], masks[1]) and torch.equal(masks[3], masks[1])
+    good = [0, 1, 4]
+    want = sequential_masks(grammar, prefix, [chain[0], chain[1], chain[1], chain[1]], [0, 1, 2, 1])
+    assert torch.equal(masks[good], want[good])
+    assert state.n_tokens == len(prefix)
