@@ -107,7 +107,8 @@ class OpenAIRoutes:
             options = body.stream_options or protocol.StreamOptions()
             completion = protocol.Completion(chat, plan, self.model_id, include_usage=options.include_usage,
                                              continuous_usage=options.include_usage and options.continuous_usage_stats,
-                                             tokenizer=self.tokenizer)
+                                             tokenizer=self.tokenizer,
+                                             tool_plan=protocol.tool_plan(body) if chat else None)
             if body.stream:
                 steps = self.text_steps(plan, timer, deadline)
                 first = await anext(steps)  # prefill's token: what fails up to here still gets its HTTP status
@@ -138,6 +139,8 @@ class OpenAIRoutes:
                 if text or step.logprobs:  # (a step whose text is held back still sends its tokens' logprobs)
                     yield _event(completion.chunk(text, completion_tokens=completion_tokens, logprobs=step.logprobs))
                 if step.finish_reason:
+                    for held in completion.held_back():  # (text held back as a possible tool call; the calls)
+                        yield _event(held)
                     yield _event(completion.chunk(None, step.finish_reason, completion_tokens=completion_tokens)
                                  | protocol.extensions(completion.plan, timer.timings()))
                     if completion.include_usage:

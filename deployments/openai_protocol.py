@@ -7,6 +7,8 @@ that change nothing about the output (``user``, ``metadata``, ``store``, ...) ar
 the target's (services.logprobs), in the chat API's shape (``logprobs.content``) or the legacy completions one
 (``tokens``, ``token_logprobs``, ``top_logprobs``, ``text_offset``). A chat body's ``response_format``
 (``json_schema`` or ``json_object``) is the request's ``json_schema`` (structured outputs: services.constraint).
+Tool calls (``tools``, ``tool_choice``, ``parallel_tool_calls``, and the history's calls and results) go through
+``deployments.tools``: the prompt format, a forced choice's schema, the answer parsed back into ``tool_calls``.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import grpc
 from google.protobuf import json_format
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from deployments import api
+from deployments import api, tools
 from services.errors import InvalidRequestError
 from services.grammar import JSON_OBJECT_SCHEMA
 from services.logprobs import TokenLogprob
@@ -79,6 +81,8 @@ class TextPart(_Lenient):
 class Message(_Lenient):
     role: str
     content: str | list[TextPart] | None = None
+    tool_calls: list[Any] | None = None  # an assistant's calls (deployments.tools renders them)
+    tool_call_id: str | None = None  # a tool message's: the call it answers
 
 
 class _Sampling(_Lenient):
@@ -105,6 +109,7 @@ class ChatCompletionRequest(_Sampling):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description="with logprobs: alternatives a token")
     tools: list[Any] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
     functions: list[Any] | None = None
     response_format: dict[str, Any] | None = None
 
@@ -139,8 +144,6 @@ def _refuse_unsupported(body: _Sampling) -> None:
     }
     if isinstance(body, ChatCompletionRequest):
         unsupported |= {
-            "tools": bool(body.tools),
-            "tool_choice": body.tool_choice not in (None, "none"),
             "functions": bool(body.functions),
         }
     else:
@@ -185,10 +188,18 @@ def generate_request(body: _Sampling, request_id: str) -> pb.GenerateRequest:
     if body.seed is not None:
         request.seed = body.seed
     if isinstance(body, ChatCompletionRequest):
-        request.messages.extend(pb.ChatMessage(role=_role(m.role), content=_text(m)) for m in body.messages)
+        calls = tool_plan(body)
+        messages = [{"role": m.role, "content": _text(m), "tool_calls": m.tool_calls} for m in body.messages]
+        request.messages.extend(pb.ChatMessage(role=_role(role), content=content)
+                                for role, content in tools.render_messages(messages, calls))
         max_tokens = body.max_completion_tokens or body.max_tokens
         request.logprobs, request.top_logprobs = bool(body.logprobs), body.top_logprobs or 0
         request.json_schema = json_schema_of(body.response_format)
+        if calls.forced is not None:
+            if request.json_schema:
+                raise InvalidRequestError("response_format and a forced tool_choice both decide the answer's "
+                                          "format: send one of them")
+            request.json_schema = json.dumps(calls.forced)
     else:
         request.prompt = _prompt(body.prompt)
         max_tokens = body.max_tokens
@@ -204,10 +215,14 @@ def generate_request(body: _Sampling, request_id: str) -> pb.GenerateRequest:
     return request
 
 
+def tool_plan(body: ChatCompletionRequest) -> tools.ToolPlan:
+    """What the body's tools ask of the answer (deployments.tools)."""
+    return tools.plan(body.tools, body.tool_choice, body.parallel_tool_calls)
+
+
 def _role(role: str) -> str:
     if role not in ROLES:
-        raise InvalidRequestError(f"chat message role must be one of {list(ROLES)}, got {role!r} (splitspec serves "
-                                  "plain chat: no tool messages)")
+        raise InvalidRequestError(f"chat message role must be one of {list(ROLES) + ['tool']}, got {role!r}")
     return ROLES[role]
 
 
@@ -252,8 +267,10 @@ class Completion:
     """Responses of one request, chat (``chat.completion``) or text (``text_completion``); ids as OpenAI's."""
 
     def __init__(self, chat: bool, plan: api.Plan, model: str, *, include_usage: bool = False,
-                 continuous_usage: bool = False, tokenizer=None):
+                 continuous_usage: bool = False, tokenizer=None, tool_plan: tools.ToolPlan | None = None):
         self.chat, self.plan, self.model = chat, plan, model
+        self.tools = tools.StreamedAnswer(tool_plan or tools.ToolPlan())  # a streamed answer's held-back text
+        self.called = False  # the answer was tool calls (finish_reason "tool_calls")
         self.include_usage = include_usage  # stream_options.include_usage: chunks carry "usage": null, the last one it
         self.continuous_usage = continuous_usage  # stream_options.continuous_usage_stats: each chunk the usage so far
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{plan.request_id}"
@@ -292,7 +309,13 @@ class Completion:
                  logprobs: list[TokenLogprob] | None = None) -> dict:
         """The whole answer; ``logprobs``: its tokens' (where the request asks for them)."""
         content = {"message": {"role": "assistant", "content": text}} if self.chat else {"text": text}
-        choice = {"index": 0, **content, "logprobs": self.logprobs(logprobs), "finish_reason": FINISH[finish_reason]}
+        if self.chat:
+            text, calls = tools.parse_answer(text, self.tools.plan)
+            if calls:
+                self.called = True
+                content["message"] = {"role": "assistant", "content": text or None,
+                                      "tool_calls": [call.to_openai() for call in calls]}
+        choice = {"index": 0, **content, "logprobs": self.logprobs(logprobs), "finish_reason": self._finish(finish_reason)}
         return {**self._head(False), "choices": [choice], "usage": usage(self.plan, completion_tokens),
                 **extensions(self.plan, timings)}
 
@@ -301,15 +324,35 @@ class Completion:
         """One streamed chunk: new text (chat: ``role`` opens the message) and its tokens' ``logprobs`` (where the
         request asks for them) and, last, the finish reason; ``completion_tokens``: sent so far (with continuous usage)."""
         if self.chat:
+            if text and not role:
+                text = self.tools.feed(text)  # (the text that may be a tool call is held back)
             delta = {"role": "assistant", "content": text or ""} if role else {} if text is None else {"content": text}
             choice = {"index": 0, "delta": delta}
         else:
             choice = {"index": 0, "text": text or ""}
         described = self.logprobs(logprobs) if logprobs is not None else None
-        choice |= {"logprobs": described, "finish_reason": FINISH[finish_reason] if finish_reason else None}
+        choice |= {"logprobs": described, "finish_reason": self._finish(finish_reason) if finish_reason else None}
         if self.continuous_usage:
             return {**self._head(True), "choices": [choice], "usage": usage(self.plan, completion_tokens)}
         return {**self._head(True), "choices": [choice], **({"usage": None} if self.include_usage else {})}
+
+    def held_back(self) -> list[dict]:
+        """A chat stream's last chunks before its finish: the text held back as a possible tool call, then the calls
+        (one delta each, as the ``openai`` client assembles them)."""
+        if not self.chat:
+            return []
+        rest, calls = self.tools.finish()
+        out = [self._delta({"content": rest})] if rest else []
+        self.called = bool(calls)
+        out += [self._delta({"tool_calls": [call.to_openai(index)]}) for index, call in enumerate(calls)]
+        return out
+
+    def _delta(self, delta: dict) -> dict:
+        return {**self._head(True), "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}],
+                **({"usage": None} if self.include_usage else {})}
+
+    def _finish(self, finish_reason: str) -> str:
+        return "tool_calls" if self.called else FINISH[finish_reason]
 
     def usage_chunk(self, completion_tokens: int) -> dict:
         """``stream_options.include_usage``: the last chunk, with no choices."""

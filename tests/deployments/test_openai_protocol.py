@@ -1,6 +1,8 @@
 """OpenAI bodies translate to the splitspec.v1 request the gRPC API would send, unsupported fields are refused by name,
 and responses, chunks and errors have OpenAI's shapes and HTTP statuses."""
 
+import json
+
 import grpc
 import pytest
 
@@ -8,6 +10,7 @@ from deployments import api
 from deployments import openai_protocol as protocol
 from deployments.status import ModelNotFoundError, RequestDeadlineError, StageUnavailableError, to_status
 from services.errors import CapacityError, InvalidRequestError
+from services.loop import FINISH_STOP
 from services.sampling import SamplingParams
 from splitspec.api.v1 import splitspec_pb2 as pb
 
@@ -16,8 +19,6 @@ TEXT = protocol.CompletionRequest
 
 
 def chat_body(**fields) -> bytes:
-    import json
-
     return json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]} | fields).encode()
 
 
@@ -63,6 +64,46 @@ def test_response_format_becomes_the_json_schema(response_format, schema):
     assert request_of(CHAT, chat_body(response_format=response_format)).json_schema == schema
 
 
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+
+def test_tools_become_the_prompt_and_a_forced_choice_the_json_schema():
+    """Tools go into the system message (deployments.tools' format), the history's calls and results into turns; a
+    named tool_choice constrains the answer to that function's call."""
+    history = [{"role": "user", "content": "Weather in Oslo?"},
+               {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function",
+                                                     "function": {"name": "get_weather", "arguments": "{\"city\": \"Oslo\"}"}}]},
+               {"role": "tool", "tool_call_id": "c1", "content": "rain"}]
+    auto = request_of(CHAT, chat_body(messages=history, tools=[WEATHER]))
+    assert [m.role for m in auto.messages] == ["system", "user", "assistant", "user"]
+    assert "<tools>" in auto.messages[0].content and "<tool_call>" in auto.messages[2].content
+    assert auto.messages[3].content == "<tool_response>\nrain\n</tool_response>" and auto.json_schema == ""
+    named = request_of(CHAT, chat_body(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "get_weather"}}))
+    assert json.loads(named.json_schema)["properties"]["name"] == {"const": "get_weather"}
+    none = request_of(CHAT, chat_body(tools=[WEATHER], tool_choice="none"))
+    assert [m.role for m in none.messages] == ["user"]
+
+
+def test_an_answer_with_calls_is_tool_calls_whole_and_streamed():
+    body = protocol.parse_body(protocol.ChatCompletionRequest, chat_body(tools=[WEATHER]))
+    answer = 'Checking.<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>'
+    whole = protocol.Completion(True, plan(), "m", tool_plan=protocol.tool_plan(body))
+    response = whole.response(answer, FINISH_STOP, 9, pb.Timings())
+    message = response["choices"][0]["message"]
+    assert response["choices"][0]["finish_reason"] == "tool_calls" and message["content"] == "Checking."
+    assert message["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": '{"city": "Oslo"}'}
+    streamed = protocol.Completion(True, plan(), "m", tool_plan=protocol.tool_plan(body))
+    sent = [streamed.chunk(answer[:12]), streamed.chunk(answer[12:])]
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in sent) == "Checking."
+    held = streamed.held_back()
+    assert [c["choices"][0]["delta"]["tool_calls"][0]["function"]["name"] for c in held] == ["get_weather"]
+    assert held[0]["choices"][0]["delta"]["tool_calls"][0]["index"] == 0
+    assert streamed.chunk(None, FINISH_STOP)["choices"][0]["finish_reason"] == "tool_calls"
+    plain = protocol.Completion(True, plan(), "m", tool_plan=protocol.tool_plan(body))
+    assert plain.response("No call.", FINISH_STOP, 3, pb.Timings())["choices"][0]["finish_reason"] == "stop"
+
+
 def test_openai_defaults():
     """Unset temperature samples at 1 (OpenAI's default); chat leaves max tokens to the server, completions take 16."""
     chat = request_of(CHAT, chat_body())
@@ -76,13 +117,16 @@ def test_openai_defaults():
     (CHAT, chat_body(n=2), "n: not supported by splitspec (splitspec returns one choice per request)"),
     (CHAT, chat_body(logprobs=True, top_logprobs=21), "top_logprobs: Input should be less than or equal to 20"),
     (CHAT, chat_body(logprobs=True, top_logprobs=-1), "top_logprobs: Input should be greater than or equal to 0"),
-    (CHAT, chat_body(tool_choice="auto"), "tool_choice: not supported"),
+    (CHAT, chat_body(tool_choice="auto"), "tool_choice 'auto' needs tools"),
+    (CHAT, chat_body(functions=[{"name": "f"}]), "functions: not supported"),
+    (CHAT, chat_body(tools=[WEATHER], tool_choice="required", response_format={"type": "json_object"}),
+     "response_format and a forced tool_choice both decide the answer's format"),
     (CHAT, chat_body(response_format={"type": "xml"}), "response_format.type must be text, json_object or json_schema"),
     (CHAT, chat_body(response_format={"type": "json_schema", "json_schema": {"name": "x"}}),
      "response_format of type json_schema needs its schema"),
     (CHAT, chat_body(frequency_penalty=1, logit_bias={"5": 1}), "frequency_penalty, logit_bias: not supported"),
     (CHAT, chat_body(stream_options={"include_usage": True}), "stream_options is only allowed when stream is true"),
-    (CHAT, chat_body(messages=[{"role": "tool", "content": "x"}]), "role must be one of"),
+    (CHAT, chat_body(messages=[{"role": "function", "content": "x"}]), "role must be one of"),
     (CHAT, chat_body(messages=[{"role": "user", "content": [{"type": "input_audio"}]}]), "['input_audio'] are not supported"),
     (CHAT, chat_body(speculation={"mode": "on", "k": 3}), "speculation.k: Extra inputs are not permitted"),
     (CHAT, chat_body(seed=-1), "seed: Input should be greater than or equal to 0"),

@@ -227,11 +227,12 @@ BAD = [  # (body fields over a good chat request, status, words of the message)
     (dict(temperature=-1), 400, "temperature must be >= 0"),
     (dict(top_p=0), 400, "top_p must be in (0, 1]"),
     (dict(messages=[]), 400, "messages"),
-    (dict(messages=[{"role": "tool", "content": "x"}]), 400, "role"),
+    (dict(messages=[{"role": "function", "content": "x"}]), 400, "role"),
     (dict(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]), 400, "send text"),
     (dict(logprobs=True, top_logprobs=21), 400, "top_logprobs: Input should be less than or equal to 20"),
     (dict(top_logprobs=2), 400, "top_logprobs needs logprobs"),
-    (dict(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools: not supported"),
+    (dict(tools=[{"type": "function", "function": {"name": "has space"}}]), 400, "tools[0].function.name"),
+    (dict(tool_choice="required"), 400, "tool_choice 'required' needs tools"),
     (dict(presence_penalty=0.5), 400, "presence_penalty: not supported"),
     (dict(stream=False, stream_options={"include_usage": True}), 400, "only allowed when stream is true"),
     (dict(stop=[""]), 400, "stop sequences"),
@@ -279,6 +280,57 @@ def test_structured_outputs_are_schema_valid_and_speculation_changes_nothing(cli
     grpc_answer = client.generate(messages=[("user", prompt)], max_new_tokens=64,
                                   json_schema=json.dumps(response_format.get("json_schema", {}).get("schema", schema)))
     assert grpc_answer.text == off.choices[0].message.content
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["C", "F"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {"name": "get_time", "description": "The time in a city", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"], "additionalProperties": False}}}
+FORCED = [{"type": "function", "function": {"name": "get_weather"}}, "required"]
+
+
+@pytest.mark.parametrize("tool_choice", FORCED, ids=["named", "required"])
+def test_forced_tool_calls_parse_and_their_arguments_are_valid(oai, tool_choice):
+    """A named or required tool choice: the openai client gets tool_calls (whole, and assembled from a stream) whose
+    arguments are JSON valid for the function's parameters, the same with speculation on as off (greedy); then a
+    second turn with the call and its result in the history answers."""
+    prompt = [{"role": "user", "content": "What is the weather in Paris, in Celsius?"}]
+    kwargs = dict(model=MODEL, messages=prompt, tools=[WEATHER, TIME], tool_choice=tool_choice, temperature=0,
+                  max_tokens=96)
+    off = oai.chat.completions.create(**kwargs, extra_body={"speculation": {"mode": "off"}})
+    assert off.choices[0].finish_reason == "tool_calls"
+    calls = off.choices[0].message.tool_calls
+    assert calls and calls[0].type == "function" and calls[0].id.startswith("call_")
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
+    for call in calls:
+        jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+    if tool_choice != "required":
+        assert [c.function.name for c in calls] == ["get_weather"]
+    on = oai.chat.completions.create(**kwargs, extra_body={"speculation": {"mode": "on", "drafter": "eagle",
+                                                                            "num_draft_tokens": 3}})
+    assert [(c.function.name, c.function.arguments) for c in on.choices[0].message.tool_calls] == \
+        [(c.function.name, c.function.arguments) for c in calls]
+    with oai.chat.completions.stream(**kwargs) as stream:  # the client assembles the streamed deltas
+        streamed = stream.get_final_completion()
+    assert streamed.choices[0].finish_reason == "tool_calls"
+    assert [(c.function.name, c.function.arguments) for c in streamed.choices[0].message.tool_calls] == \
+        [(c.function.name, c.function.arguments) for c in calls]
+    history = prompt + [off.choices[0].message.model_dump(exclude_none=True)] + [
+        {"role": "tool", "tool_call_id": c.id, "content": '{"temperature": 21}'} for c in calls]
+    answer = oai.chat.completions.create(model=MODEL, messages=history, tools=[WEATHER, TIME], tool_choice="none",
+                                         temperature=0, max_tokens=24)
+    assert answer.choices[0].finish_reason in ("stop", "length") and answer.choices[0].message.content
+
+
+def test_auto_tool_choice_answers_text_or_calls(oai):
+    """With tool_choice auto the model answers in text or in calls; either way the client parses the answer."""
+    answer = oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Say hello."}],
+                                         tools=[WEATHER], temperature=0, max_tokens=24)
+    message = answer.choices[0].message
+    assert (answer.choices[0].finish_reason == "tool_calls") == bool(message.tool_calls)
+    assert message.content or message.tool_calls
 
 
 def test_bad_input_through_the_openai_client_and_service_goes_on(client, oai):
