@@ -75,6 +75,25 @@ def cmd_bench_drafter(args) -> int:
     return _write_report(args, report)
 
 
+def cmd_bench_structured(args) -> int:
+    from services.models import default_pair
+    from splitspec.api.client import SpecDecodeClient
+    from splitspec.bench import structured
+
+    with _service(args) as (address, _):
+        with SpecDecodeClient(address) as client:
+            client.wait_ready()
+        base_url = f"http://{address.rsplit(':', 1)[0]}:{args.http_port}/v1"
+        report = structured.run(base_url, default_pair.target_dir().name, n=args.schemas, max_tokens=args.max_new_tokens,
+                                tokenizer_dir=str(default_pair.target_dir()))
+    print(f"\nvalid: {report['valid']} of {args.schemas} (cut by max tokens: {report['cut_by_max_tokens']}); identical "
+          f"answers: {report['identical']}; server default / off: {report['speedup_server_default']:.2f}x "
+          f"({report['tok_s']}); masks of a k = 3 pass: {report['mask_ms_per_pass_k3']['median']} ms median against "
+          f"{report['step_ms_off']} ms a token with speculation off")
+    ok = report["identical"] == args.schemas and all(v == args.schemas for v in report["valid"].values())
+    return _write_report(args, report, ok=ok)
+
+
 def cmd_bench_batching(args) -> int:
     from services.loading import set_num_threads
     from splitspec.bench import batching as bench_batching
@@ -697,6 +716,11 @@ def build_parser() -> argparse.ArgumentParser:
                             "as its verify replica timed it: per round the verify pass, the proposal, the drafter's "
                             "pass within it and the hop")
     grpc_bench.set_defaults(fn=cmd_bench_grpc)
+    structured_cmd = bench.add_parser("structured", help="structured outputs through the openai client: valid answers, "
+                                      "speculation off vs the server default (splitspec.bench.structured)")
+    _service_args(structured_cmd, prompts=0)
+    structured_cmd.add_argument("--schemas", type=int, default=50, help="held-out schemas (made here, seeded)")
+    structured_cmd.set_defaults(fn=cmd_bench_structured, max_new_tokens=160)
     load = bench.add_parser("load", help="throughput and latency percentiles under concurrent streams (closed and open loop)")
     _service_args(load, prompts=16)
     load.add_argument("--concurrency", default="1,2,4,8,16,32", help="closed-loop levels, comma separated")

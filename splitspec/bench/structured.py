@@ -1,0 +1,126 @@
+"""`splitspec bench structured`: structured outputs through the real `openai` client, speculation off against the
+server's default side by side (greedy), on held-out schemas made here (``schemas``: seeded, none from a training
+set): how many answers are valid for their schema, whether speculation changed any, the speed ratio, and the
+grammar's mask time per verify pass against the target's step.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import statistics
+import time
+
+SUBJECTS = ["book", "movie", "city", "recipe", "laptop", "employee", "planet", "song", "hotel", "car", "bird",
+            "museum", "team", "course", "painting", "restaurant", "river", "app", "game", "flower", "train", "coffee",
+            "bridge", "language", "festival"]
+STRINGS = ["name", "title", "author", "country", "color", "owner", "category", "summary", "origin", "brand"]
+INTEGERS = ["year", "pages", "rating", "count", "age", "length", "price", "rank", "floors", "seats"]
+ENUMS = {"status": ["active", "retired", "planned"], "size": ["small", "medium", "large"],
+         "level": ["low", "mid", "high"], "kind": ["classic", "modern", "other"]}
+
+
+def schemas(n: int, seed: int = 0) -> list[tuple[str, dict]]:
+    """``n`` (prompt, schema) pairs: an object about a subject with 2-5 typed fields (strings, bounded integers,
+    booleans, enums, arrays of strings, a nested object), some required, some without additional properties."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        subject = SUBJECTS[i % len(SUBJECTS)]
+        props, fields = {}, []
+        for name in rng.sample(STRINGS, rng.randint(1, 2)):
+            props[name] = {"type": "string", "maxLength": rng.choice([20, 40, 60])}
+        for name in rng.sample(INTEGERS, rng.randint(0, 2)):
+            props[name] = {"type": "integer", "minimum": 0, "maximum": rng.choice([10, 100, 5000])}
+        if rng.random() < 0.4:
+            name = rng.choice(list(ENUMS))
+            props[name] = {"enum": ENUMS[name]}
+        if rng.random() < 0.3:
+            props["available"] = {"type": "boolean"}
+        if rng.random() < 0.3:
+            props["tags"] = {"type": "array", "items": {"type": "string", "maxLength": 16}, "minItems": 1,
+                             "maxItems": 3}
+        if rng.random() < 0.2:
+            props["place"] = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30}},
+                              "required": ["city"], "additionalProperties": False}
+        fields = list(props)
+        schema = {"type": "object", "properties": props, "required": rng.sample(fields, max(1, len(fields) - 1))}
+        if rng.random() < 0.7:
+            schema["additionalProperties"] = False
+        out.append((f"Describe a {subject} as JSON with the fields {', '.join(fields)}.", schema))
+    return out
+
+
+def run(base_url: str, model: str, *, n: int, max_tokens: int, tokenizer_dir: str) -> dict:
+    import jsonschema
+    import openai
+
+    policies = {"off": {"mode": "off"}, "server default": {"mode": "default"}}
+    rows = []
+    seconds = {p: 0.0 for p in policies}
+    tokens = {p: 0 for p in policies}
+    with openai.OpenAI(base_url=base_url, api_key="none", max_retries=0, timeout=600) as client:
+        for i, (prompt, schema) in enumerate(schemas(n)):
+            row = {"schema": i, "answers": {}}
+            for name in (list(policies) if i % 2 == 0 else list(policies)[::-1]):  # alternate who goes first
+                start = time.perf_counter()
+                answer = client.chat.completions.create(
+                    model=model, messages=[{"role": "user", "content": prompt}], temperature=0, max_tokens=max_tokens,
+                    response_format={"type": "json_schema", "json_schema": {"name": f"s{i}", "schema": schema}},
+                    extra_body={"speculation": policies[name]})
+                seconds[name] += time.perf_counter() - start
+                tokens[name] += answer.usage.completion_tokens
+                text = answer.choices[0].message.content
+                try:
+                    jsonschema.validate(json.loads(text), schema)
+                    valid = True
+                except (ValueError, jsonschema.ValidationError):
+                    valid = False
+                row["answers"][name] = {"text": text, "finish_reason": answer.choices[0].finish_reason,
+                                        "valid": valid, "tokens": answer.usage.completion_tokens,
+                                        "speculation_stats": answer.model_extra.get("speculation_stats")}
+            row["identical"] = len({a["text"] for a in row["answers"].values()}) == 1
+            rows.append(row)
+            print(f"schema {i}: " + ", ".join(f"{p} {'valid' if a['valid'] else 'INVALID'} ({a['finish_reason']}, "
+                                             f"{a['tokens']} tokens)" for p, a in row["answers"].items())
+                  + ("" if row["identical"] else "  ANSWERS DIFFER"), flush=True)
+    tok_s = {p: tokens[p] / seconds[p] for p in policies}
+    masks = mask_cost([(p, s) for p, s in schemas(n)], [r["answers"]["off"]["text"] for r in rows], tokenizer_dir)
+    return {
+        "schemas": n, "max_tokens": max_tokens,
+        "valid": {p: sum(r["answers"][p]["valid"] for r in rows) for p in policies},
+        "cut_by_max_tokens": {p: sum(r["answers"][p]["finish_reason"] == "length" for r in rows) for p in policies},
+        "identical": sum(r["identical"] for r in rows),
+        "tok_s": {p: round(v, 2) for p, v in tok_s.items()},
+        "speedup_server_default": round(tok_s["server default"] / tok_s["off"], 3),
+        "mask_ms_per_pass_k3": masks,
+        "step_ms_off": round(1000 / tok_s["off"], 2),  # (an upper bound on a target step: off's time per token)
+        "rows": rows,
+    }
+
+
+def mask_cost(pairs: list[tuple[str, dict]], answers: list[str], tokenizer_dir: str) -> dict:
+    """The grammar's time for one verify pass's masks (``tree_masks`` over a chain of 3) along each answer, in this
+    process: median and p99 ms over every position of every answer."""
+    from transformers import AutoTokenizer
+
+    from services.errors import GrammarStateError
+    from services.grammar import GrammarCompiler
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    compiler = GrammarCompiler(tokenizer, vocab_size=len(tokenizer), eos_token_ids=[tokenizer.eos_token_id])
+    times = []
+    for (_, schema), answer in zip(pairs, answers):
+        ids = tokenizer(answer, add_special_tokens=False)["input_ids"]
+        state = compiler.json_schema(schema).start()
+        for t in range(len(ids) - 3):
+            start = time.perf_counter()
+            state.tree_masks(ids[t : t + 3], [0, 1, 2])
+            times.append(time.perf_counter() - start)
+            try:
+                state.advance(ids[t])
+            except GrammarStateError:  # (the text re-tokenized otherwise than it was generated)
+                break
+    times.sort()
+    return {"median": round(statistics.median(times) * 1000, 3), "p99": round(times[int(0.99 * (len(times) - 1))] * 1000, 3),
+            "passes": len(times)}
