@@ -370,13 +370,13 @@ class Verify(_Stage):
         proposals = [call.propose for call in calls if isinstance(call, ChainedCall)]
         if not proposals:
             results, mask_s = await self._run(lambda: (self.engine.verify_batch(calls), self.engine.mask_s))
-            if mask_s is not None:
-                self.session_metrics.grammar_masks(mask_s)
-            return results
-        results = await self._run(run_chained, self.drafts, self.engine, calls)
-        self.draft_passes += 1
-        self.draft_largest_pass = max(self.draft_largest_pass, len(proposals))
-        self.draft_metrics.batched_pass(len(proposals), sum(p.rows for p in proposals))
+        else:
+            results, mask_s = await self._run(lambda: (run_chained(self.drafts, self.engine, calls), self.engine.mask_s))
+            self.draft_passes += 1
+            self.draft_largest_pass = max(self.draft_largest_pass, len(proposals))
+            self.draft_metrics.batched_pass(len(proposals), sum(p.rows for p in proposals))
+        if mask_s is not None:  # (the target pass's: run_chained's verify_batch sets it too)
+            self.session_metrics.grammar_masks(mask_s)
         return results
 
     async def close(self, request_id: str) -> None:
