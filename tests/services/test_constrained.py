@@ -21,6 +21,7 @@ from services.prefill import PrefillEngine
 from services.sampling import SamplingParams, logits_to_probs
 from services.tree import chain_parents
 from services.verify import VerifyEngine
+from tests.services.test_eagle_drafter import first_verified
 from tests.services.test_sampling import assert_follows
 
 NEW_TOKENS = 48
@@ -179,17 +180,8 @@ def test_sampled_tokens_follow_the_masked_target(random_engines, drafter):
     state = Grammars.of(target).start(params.constraint)
     state.advance(first)
     p = logits_to_probs(logits.masked_fill(~state.allowed(), float("-inf")), params)[0]  # [V]
-    counts = torch.zeros(target.vocab_size)
-    for seed in range(DRAWS):
-        seeded = constrained(schema, temperature=1.0, seed=seed)
-        verify.open("r", result.payload, first, seeded, features=True)
-        draft.start("r", prompt, seeded, drafter, result.features)
-        draft.accept("r", 0, first)
-        proposal = draft.propose("r", 2)
-        verdict = verify.verify("r", proposal.token_ids, proposal.probs)
-        counts[verdict.token_ids[0]] += 1
-        verify.close("r")
-        draft.close("r")
+    counts = first_verified(draft, verify, result, prompt, first, drafter,
+                            lambda seed: constrained(schema, temperature=1.0, seed=seed), target.vocab_size, DRAWS)
     assert_follows(counts, p)
 
 

@@ -93,18 +93,26 @@ def test_sampled_tokens_follow_the_target(tiny, engines):
     with torch.inference_mode():
         logits = target.model(input_ids=torch.tensor([prompt + [first]])).logits[0, -1:]
     p = logits_to_probs(logits.float(), params)[0]  # [vocab_size]
-    counts = torch.zeros(TINY_VOCAB_SIZE)
-    for seed in range(DRAWS):
-        seeded = SamplingParams(temperature=1.0, seed=seed)
-        verify.open("r", result.payload, first, seeded, features=True)
-        draft.start("r", prompt, seeded, "eagle", result.features)
+    counts = first_verified(draft, verify, result, prompt, first, "eagle",
+                            lambda seed: SamplingParams(temperature=1.0, seed=seed), TINY_VOCAB_SIZE)
+    assert_follows(counts, p)
+
+
+def first_verified(draft, verify, prefilled, prompt: list[int], first: int, drafter: str, params_of,
+                   vocab_size: int, draws: int = DRAWS) -> torch.Tensor:  # -> [vocab_size] counts
+    """How often each token is the first a verify pass emits after ``first`` (a k = 2 proposal of ``drafter``),
+    over ``draws`` requests seeded 0 .. draws - 1 (``params_of(seed)``), from one prefill's KV and features."""
+    counts = torch.zeros(vocab_size)
+    for seed in range(draws):
+        seeded = params_of(seed)
+        verify.open("r", prefilled.payload, first, seeded, features=True)
+        draft.start("r", prompt, seeded, drafter, prefilled.features)
         draft.accept("r", 0, first)
         proposal = draft.propose("r", 2)
-        verdict = verify.verify("r", proposal.token_ids, proposal.probs)
-        counts[verdict.token_ids[0]] += 1
+        counts[verify.verify("r", proposal.token_ids, proposal.probs).token_ids[0]] += 1
         verify.close("r")
         draft.close("r")
-    assert_follows(counts, p)
+    return counts
 
 
 def assert_q_lives_on(kept: torch.Tensor, prefill: PrefillEngine, draft: DraftEngine) -> None:
