@@ -80,12 +80,19 @@ def cmd_bench_structured(args) -> int:
     from splitspec.api.client import SpecDecodeClient
     from splitspec.bench import structured
 
+    from splitspec.bench import grpc as bench_grpc
+
     with _service(args) as (address, _):
+        base_url = f"http://{address.rsplit(':', 1)[0]}:{args.http_port}/v1"
         with SpecDecodeClient(address) as client:
             client.wait_ready()
-        base_url = f"http://{address.rsplit(':', 1)[0]}:{args.http_port}/v1"
-        report = structured.run(base_url, default_pair.target_dir().name, n=args.schemas, max_tokens=args.max_new_tokens,
-                                tokenizer_dir=str(default_pair.target_dir()))
+            report = structured.run(base_url, default_pair.target_dir().name, n=args.schemas,
+                                    max_tokens=args.max_new_tokens, tokenizer_dir=str(default_pair.target_dir()))
+            if args.neighbours:
+                report["neighbours"] = structured.neighbours(client, bench_grpc.prompts_of("held_out")[:8],
+                                                             structured.schemas(1)[0][1], plain=args.neighbours)
+                print(f"plain streams beside a constrained one / beside a plain one, time per token p50: "
+                      f"{report['neighbours']['slowdown']:.3f}x ({report['neighbours']['tpot_p50_ms']} ms)")
     print(f"\nvalid: {report['valid']} of {args.schemas} (cut by max tokens: {report['cut_by_max_tokens']}); identical "
           f"answers: {report['identical']}; server default / off: {report['speedup_server_default']:.2f}x "
           f"({report['tok_s']}); masks of a k = 3 pass: {report['mask_ms_per_pass_k3']['median']} ms median against "
@@ -720,6 +727,8 @@ def build_parser() -> argparse.ArgumentParser:
                                       "speculation off vs the server default (splitspec.bench.structured)")
     _service_args(structured_cmd, prompts=0)
     structured_cmd.add_argument("--schemas", type=int, default=50, help="held-out schemas (made here, seeded)")
+    structured_cmd.add_argument("--neighbours", type=int, default=3, help="plain streams beside one constrained "
+                                "stream vs beside one plain stream (0: skip)")
     structured_cmd.set_defaults(fn=cmd_bench_structured, max_new_tokens=160)
     load = bench.add_parser("load", help="throughput and latency percentiles under concurrent streams (closed and open loop)")
     _service_args(load, prompts=16)

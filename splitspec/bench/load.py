@@ -143,7 +143,7 @@ def _percentiles(values: list[float], scale: float = 1000.0) -> dict:
     return out | {"mean": round(sum(values) / len(values) * scale, 1)}
 
 
-def _tpot_s(o: Outcome) -> float | None:
+def tpot_s(o: Outcome) -> float | None:
     """Time per output token after the first; None with fewer than two tokens."""
     return (o.e2e_s - o.ttft_s) / (o.tokens - 1) if o.ttft_s is not None and o.tokens > 1 else None
 
@@ -151,9 +151,9 @@ def _tpot_s(o: Outcome) -> float | None:
 def summarize(outcomes: list[Outcome], seconds: float, *, slo_ttft_ms: float, slo_tpot_ms: float) -> dict:
     done = [o for o in outcomes if o.status == "OK"]
     tokens = sum(o.tokens for o in done)
-    tpot = [t for o in done if (t := _tpot_s(o)) is not None]
+    tpot = [t for o in done if (t := tpot_s(o)) is not None]
     good = [o for o in done if o.ttft_s is not None and o.ttft_s * 1000 <= slo_ttft_ms
-            and ((t := _tpot_s(o)) is None or t * 1000 <= slo_tpot_ms)]
+            and ((t := tpot_s(o)) is None or t * 1000 <= slo_tpot_ms)]
     return {
         "requests": len(outcomes),
         "completed": len(done),

@@ -1,7 +1,8 @@
 """`splitspec bench structured`: structured outputs through the real `openai` client, speculation off against the
 server's default side by side (greedy), on held-out schemas made here (``schemas``: seeded, none from a training
 set): how many answers are valid for their schema, whether speculation changed any, the speed ratio, and the
-grammar's mask time per verify pass against the target's step.
+grammar's mask time per verify pass against the target's step. Then the neighbours (``neighbours``): plain
+streams beside one constrained stream, against the same streams beside one plain stream, through gRPC.
 """
 
 from __future__ import annotations
@@ -124,3 +125,38 @@ def mask_cost(pairs: list[tuple[str, dict]], answers: list[str], tokenizer_dir: 
     times.sort()
     return {"median": round(statistics.median(times) * 1000, 3), "p99": round(times[int(0.99 * (len(times) - 1))] * 1000, 3),
             "passes": len(times)}
+
+
+def neighbours(client, prompts: list[str], schema: dict, *, plain: int = 3, requests: int = 12, rounds: int = 2,
+               max_new_tokens: int = 48) -> dict:
+    """``plain`` closed-loop streams (the server default, greedy) while one more stream loops beside them, that one
+    constrained by ``schema`` or not, alternating ``rounds`` times: the plain streams' time per output token (p50,
+    ms) with each neighbour, and their ratio (constrained / plain neighbour: > 1 is the slowdown a constrained
+    request causes its neighbours beyond the load of any request)."""
+    import threading
+
+    from splitspec.bench import load
+
+    tpot: dict[str, list[float]] = {"plain": [], "constrained": []}
+    for _ in range(rounds):
+        for kind in ("plain", "constrained"):
+            done = threading.Event()
+            extra = {"json_schema": json.dumps(schema)} if kind == "constrained" else {}
+
+            def neighbour(extra=extra, done=done):
+                while not done.is_set():
+                    for _ in client.stream(messages=[("user", "Describe a book as JSON.")], max_new_tokens=max_new_tokens,
+                                           **extra):
+                        pass
+
+            thread = threading.Thread(target=neighbour, daemon=True)
+            thread.start()
+            outcomes, _ = load.closed_loop(client, prompts, {}, concurrency=plain, num_requests=requests,
+                                           max_new_tokens=max_new_tokens)
+            done.set()
+            thread.join()
+            tpot[kind] += [t for o in outcomes if o.status == "OK" and (t := load.tpot_s(o)) is not None]
+    p50 = {kind: statistics.median(values) * 1000 for kind, values in tpot.items()}
+    return {"plain_streams": plain, "requests_per_round": requests, "rounds": rounds,
+            "tpot_p50_ms": {k: round(v, 2) for k, v in p50.items()},
+            "slowdown": round(p50["constrained"] / p50["plain"], 3)}
