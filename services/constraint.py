@@ -11,6 +11,7 @@ constrained target's, token for token (services.grammar says why).
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
@@ -142,6 +143,26 @@ class DraftGrammar:
     def unwind(self) -> None:
         """Back to the accepted context."""
         self.pop(self.depth)
+
+    @contextlib.contextmanager
+    def drafting(self, tokens: Iterable[int]):
+        """Draft after ``tokens`` (forced, or a branch's prefix) within the block; back to the accepted context after
+        it, whatever the block pushed."""
+        self.push(tokens)
+        try:
+            yield
+        finally:
+            self.unwind()
+
+    def prefix_masks(self, rows: Iterable[torch.Tensor], forced: Sequence[int]) -> list[torch.Tensor]:
+        """``rows[n]`` (the logits [V] of the token after ``forced[:n]``, n = 0 .. len(forced)) masked by the grammar
+        after ``forced[:n]`` (pre-drafting's branch points); the path is back at the accepted context afterwards."""
+        with self.drafting(()):
+            out = []
+            for n, logits in enumerate(rows):
+                out.append(self.mask(logits))
+                self.push(forced[n : n + 1])
+            return out
 
     def allowed_prefix(self, tokens: Sequence[int], after: Sequence[int] = ()) -> list[int]:
         """``tokens`` up to the first the mask forbids after the path and ``after`` (the path is the same afterwards)."""

@@ -94,11 +94,8 @@ class ModelDraftSession:
         # the cache always lags the context by >= 1 token, so there are logits to sample from
         sides = [] if width > 1 and self.params.greedy else None
         uncached = torch.tensor(self.tokens[self.cache.seq_len :] + list(forced))
-        self.grammar.push(forced)
-        try:
+        with self.grammar.drafting(forced):
             token_ids, probs = yield from self._sample_chain(uncached, k, sides, width)
-        finally:
-            self.grammar.unwind()
         self.proposal = list(forced) + token_ids
         if sides:
             tree_ids, parents = with_sides(token_ids, sides)
@@ -114,20 +111,13 @@ class ModelDraftSession:
         forced, context_len = list(forced), len(self.tokens)
         uncached = self.tokens[self.cache.seq_len :] + forced
         rows = self.runner.forward(torch.tensor(uncached), self.cache)  # [len(uncached), vocab_size]
-        prefix_logits = []  # [len(forced) + 1] x [vocab_size], each masked by the grammar after forced[:n]
-        for n, logits in enumerate(rows[len(rows) - len(forced) - 1 :]):
-            prefix_logits.append(self.grammar.mask(logits))
-            self.grammar.push(forced[n : n + 1])
-        self.grammar.unwind()
+        prefix_logits = self.grammar.prefix_masks(rows[len(rows) - len(forced) - 1 :], forced)  # [len(forced) + 1] x [V]
         branches, valid = [], context_len + len(forced)  # rows that still hold the context and forced tokens
         for n, guess in branch_keys(prefix_logits, forced, guesses):  # deepest branch point first
             self.cache.crop(context_len + n)  # the context, forced[:n]; the guess goes next
             valid = min(valid, context_len + n)
-            self.grammar.push(forced[:n] + [guess])
-            try:
+            with self.grammar.drafting(forced[:n] + [guess]):
                 ids, probs = self._alone(self._sample_chain(torch.tensor([guess]), k))
-            finally:
-                self.grammar.unwind()
             branches.append(Branch(n, guess, ids, probs))
         self.cache.crop(valid)
         self.proposal = forced

@@ -119,11 +119,8 @@ class EagleDraftSession:
         for x in forced:  # through the block being verified, on the head's own predicted features
             logits = yield self.state.chain_rows(x)
         sides = [] if width > 1 and self.params.greedy else None
-        self.grammar.push(forced)
-        try:
+        with self.grammar.drafting(forced):
             token_ids, probs = yield from self._sample_chain(logits, k, sides, width)
-        finally:
-            self.grammar.unwind()
         self.proposal = list(forced) + token_ids
         if sides:
             tree_ids, parents = with_sides(token_ids, sides)
@@ -138,19 +135,13 @@ class EagleDraftSession:
         forks = [(self.next_logits, state.g)]  # per prefix forced[:n]: logits of the next token, the feature fed with it
         for x in forced:
             forks.append(((yield state.chain_rows(x)), state.g))
-        prefix_logits = []  # [V] each, masked by the grammar after forced[:n]
-        for n, (logits, _) in enumerate(forks):
-            prefix_logits.append(self.grammar.mask(scatter_kept(logits[None], kept, self.vocab_size)[0]))
-            self.grammar.push(forced[n : n + 1])
-        self.grammar.unwind()
+        prefix_logits = self.grammar.prefix_masks(  # [V] each, masked by the grammar after forced[:n]
+            (scatter_kept(logits[None], kept, self.vocab_size)[0] for logits, _ in forks), list(forced))
         branches = []
         for n, guess in sorted(branch_keys(prefix_logits, list(forced), guesses), key=lambda key: -key[0]):
             state.chain_len, state.g = n, forks[n][1]  # rows of forced[:n] stay; deeper forks are done first
-            self.grammar.push([*forced[:n], guess])
-            try:
+            with self.grammar.drafting([*forced[:n], guess]):
                 ids, probs = yield from self._sample_chain((yield state.chain_rows(guess)), k)
-            finally:
-                self.grammar.unwind()
             branches.append(Branch(n, guess, ids, probs))
         self.proposal = list(forced)
         return DraftProposal([], None, sorted(branches, key=lambda b: -b.n_matches))

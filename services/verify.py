@@ -189,14 +189,15 @@ class VerifyEngine:
 
     def _row_masks(self, checked: list) -> list[torch.Tensor | Exception | None]:
         """Per session, the ids its grammar allows at each row of the pass ([k + 1, V] bool; None: unconstrained): row
-        0 after the emitted tokens, row i after the draft path to node i - 1. An error (a draft the grammar forbids:
-        drafters propose from masked q, so a fault) is that session's alone. Times them all (``mask_s``)."""
+        0 after the emitted tokens, row i after the draft path to node i - 1 (a draft the grammar forbids keeps its
+        parent's row: p is 0 there, so it is rejected). An error (a malformed tree) is that session's alone. Times
+        them all (``mask_s``)."""
         start, out = time.perf_counter(), []
         for _, _, session, draft, tree in checked:
             try:
                 parents = tree.parents if tree is not None else chain_parents(len(draft))
                 out.append(row_masks(session.grammar, draft.tolist(), parents))
-            except Exception as exc:  # noqa: BLE001 - services.errors.GrammarStateError, for that session's slot
+            except Exception as exc:  # noqa: BLE001 - GrammarStateError (bad parents), for that session's slot
                 out.append(exc)
         self.mask_s = time.perf_counter() - start
         return out

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import random
 import statistics
+import threading
 import time
 
 SUBJECTS = ["book", "movie", "city", "recipe", "laptop", "employee", "planet", "song", "hotel", "car", "bird",
@@ -57,11 +58,12 @@ def run(base_url: str, model: str, *, n: int, max_tokens: int, tokenizer_dir: st
     import openai
 
     policies = {"off": {"mode": "off"}, "server default": {"mode": "default"}}
+    pairs = schemas(n)
     rows = []
     seconds = {p: 0.0 for p in policies}
     tokens = {p: 0 for p in policies}
     with openai.OpenAI(base_url=base_url, api_key="none", max_retries=0, timeout=600) as client:
-        for i, (prompt, schema) in enumerate(schemas(n)):
+        for i, (prompt, schema) in enumerate(pairs):
             row = {"schema": i, "answers": {}}
             for name in (list(policies) if i % 2 == 0 else list(policies)[::-1]):  # alternate who goes first
                 start = time.perf_counter()
@@ -86,7 +88,7 @@ def run(base_url: str, model: str, *, n: int, max_tokens: int, tokenizer_dir: st
                                              f"{a['tokens']} tokens)" for p, a in row["answers"].items())
                   + ("" if row["identical"] else "  ANSWERS DIFFER"), flush=True)
     tok_s = {p: tokens[p] / seconds[p] for p in policies}
-    masks = mask_cost([(p, s) for p, s in schemas(n)], [r["answers"]["off"]["text"] for r in rows], tokenizer_dir)
+    masks = mask_cost([schema for _, schema in pairs], [r["answers"]["off"]["text"] for r in rows], tokenizer_dir)
     return {
         "schemas": n, "max_tokens": max_tokens,
         "valid": {p: sum(r["answers"][p]["valid"] for r in rows) for p in policies},
@@ -100,7 +102,7 @@ def run(base_url: str, model: str, *, n: int, max_tokens: int, tokenizer_dir: st
     }
 
 
-def mask_cost(pairs: list[tuple[str, dict]], answers: list[str], tokenizer_dir: str) -> dict:
+def mask_cost(json_schemas: list[dict], answers: list[str], tokenizer_dir: str) -> dict:
     """The grammar's time for one verify pass's masks (``tree_masks`` over a chain of 3) along each answer, in this
     process: median and p99 ms over every position of every answer."""
     from transformers import AutoTokenizer
@@ -111,7 +113,7 @@ def mask_cost(pairs: list[tuple[str, dict]], answers: list[str], tokenizer_dir: 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     compiler = GrammarCompiler(tokenizer, vocab_size=len(tokenizer), eos_token_ids=[tokenizer.eos_token_id])
     times = []
-    for (_, schema), answer in zip(pairs, answers):
+    for schema, answer in zip(json_schemas, answers, strict=True):
         ids = tokenizer(answer, add_special_tokens=False)["input_ids"]
         state = compiler.json_schema(schema).start()
         for t in range(len(ids) - 3):
@@ -133,8 +135,6 @@ def neighbours(client, prompts: list[str], schema: dict, *, plain: int = 3, requ
     constrained by ``schema`` or not, alternating ``rounds`` times: the plain streams' time per output token (p50,
     ms) with each neighbour, and their ratio (constrained / plain neighbour: > 1 is the slowdown a constrained
     request causes its neighbours beyond the load of any request)."""
-    import threading
-
     from splitspec.bench import load
 
     tpot: dict[str, list[float]] = {"plain": [], "constrained": []}
