@@ -19,6 +19,7 @@ from tests.serving.conftest import free_port, make_config, serving
 pytestmark = pytest.mark.slow
 
 SCRAPE_CONFIG = Path(dashboard.__file__).resolve().parent.parent / "dashboards" / "prometheus.yml"
+SCHEMA = '{"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]}'
 LOAD = [  # (policy, stream?)
     (dict(drafter="model", num_draft_tokens=3), False),
     (dict(drafter="model", num_draft_tokens=3), True),
@@ -27,6 +28,7 @@ LOAD = [  # (policy, stream?)
     (dict(speculate=False), False),
     (dict(drafter="model", num_draft_tokens=2), True),
     (dict(drafter="eagle", num_draft_tokens=1, overlap=True), True),  # pre-drafting: the hit-rate panel
+    (dict(drafter="model", num_draft_tokens=3, json_schema=SCHEMA), False),  # structured output: the grammar panel
 ]
 PROMPTS = ["Count from 1 to 10.", "List three primary colors.", "What is the capital of France?"]
 
