@@ -5,8 +5,8 @@ Pure translation, no Ray and no HTTP: a body becomes a ``pb.GenerateRequest`` th
 OpenAI API that splitspec cannot honour (n > 1, tools, penalties, ...) are refused with a 400 that names them; fields
 that change nothing about the output (``user``, ``metadata``, ``store``, ...) are ignored, as vLLM does. Logprobs are
 the target's (services.logprobs), in the chat API's shape (``logprobs.content``) or the legacy completions one
-(``tokens``, ``token_logprobs``, ``top_logprobs``, ``text_offset``). A chat body's ``response_format``
-(``json_schema`` or ``json_object``) is the request's ``json_schema`` (structured outputs: services.constraint).
+(``tokens``, ``token_logprobs``, ``top_logprobs``, ``text_offset``). A body's ``response_format`` (chat; completions too, as
+vLLM) (``json_schema`` or ``json_object``) is the request's ``json_schema`` (structured outputs: services.constraint).
 Tool calls (``tools``, ``tool_choice``, ``parallel_tool_calls``, and the history's calls and results) go through
 ``deployments.tools``: the prompt format, a forced choice's schema, the answer parsed back into ``tool_calls``.
 """
@@ -99,6 +99,7 @@ class _Sampling(_Lenient):
     frequency_penalty: float | None = 0.0
     logit_bias: dict[str, float] | None = None
     speculation: Speculation | None = None
+    response_format: dict[str, Any] | None = None  # (completions: an extension, as vLLM's)
 
 
 class ChatCompletionRequest(_Sampling):
@@ -111,7 +112,6 @@ class ChatCompletionRequest(_Sampling):
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
     functions: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
 
 
 class CompletionRequest(_Sampling):
@@ -147,8 +147,7 @@ def _refuse_unsupported(body: _Sampling) -> None:
             "functions": bool(body.functions),
         }
     else:
-        unsupported |= {"echo": bool(body.echo), "suffix": bool(body.suffix), "best_of": body.best_of not in (None, 1),
-                        "response_format": (body.model_extra or {}).get("response_format") is not None}  # (chat's)
+        unsupported |= {"echo": bool(body.echo), "suffix": bool(body.suffix), "best_of": body.best_of not in (None, 1)}
     refused = [name for name, used in unsupported.items() if used]
     if refused:
         hint = " (splitspec returns one choice per request)" if "n" in refused else ""
@@ -159,7 +158,7 @@ def _refuse_unsupported(body: _Sampling) -> None:
 
 
 def json_schema_of(response_format: dict[str, Any] | None) -> str:
-    """The splitspec.v1 ``json_schema`` of a chat body's ``response_format`` (empty for text). ``strict`` changes
+    """The splitspec.v1 ``json_schema`` of a body's ``response_format`` (empty for text). ``strict`` changes
     nothing: the schema is always enforced (its grammar masks every token)."""
     kind = (response_format or {}).get("type", "text")
     if kind == "text":
@@ -204,6 +203,7 @@ def generate_request(body: _Sampling, request_id: str) -> pb.GenerateRequest:
         request.prompt = _prompt(body.prompt)
         max_tokens = body.max_tokens
         request.logprobs, request.top_logprobs = body.logprobs is not None, body.logprobs or 0
+        request.json_schema = json_schema_of(body.response_format)
     if max_tokens is not None:
         request.max_new_tokens = min(max_tokens, 2**32 - 1)  # (api.parse refuses what exceeds the server's limit)
     if body.speculation is not None:

@@ -94,6 +94,22 @@ def masked(logits: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor: 
     return logits if allowed is None else mask_logits(logits, allowed)
 
 
+def masked_argmax(ids: torch.Tensor, allowed: torch.Tensor | None, features: torch.Tensor, head_logits) -> torch.Tensor:
+    """The argmax of each row's masked logits, from its argmax ``ids`` [n] (``FastLlamaRunner.argmax``'s screen,
+    cheaper than the logits): a row whose argmax the grammar allows (``allowed`` [n, V] bool) keeps it (the masked
+    argmax is then the same id), the others take it from their own logits (``head_logits`` of their ``features``
+    [n, hidden]). A pass over a constrained greedy session costs its neighbours no full logits where the grammar
+    agrees with the model."""
+    if allowed is None:
+        return ids
+    forbidden = ~allowed[torch.arange(ids.shape[0]), ids]  # [n]
+    if not bool(forbidden.any()):
+        return ids
+    ids = ids.clone()
+    ids[forbidden] = mask_logits(head_logits(features[forbidden]), allowed[forbidden]).argmax(-1)
+    return ids
+
+
 def follow(state: GrammarState | None, token_ids: Iterable[int]) -> None:
     """Advance over emitted tokens, up to the first EOS (the answer ends there; a bonus row after it is only EOS)."""
     if state is None:

@@ -195,6 +195,7 @@ class FastLlamaRunner:
     """Forward passes of a Llama model against ``DenseKVCache``s (same interface as ``ModelRunner``)."""
 
     supports_trees = True  # forward_batch takes draft trees (services.tree)
+    screens_masked_rows = True  # a constrained greedy row may take ``argmax``, then ``head_logits`` where it is forbidden
     fused = True  # short chunks through kernels.decoder_layers where it is built (False: the Python loop, same bits)
 
     def __init__(self, loaded, *, kept_ids: torch.Tensor | None = None, weight_storage: torch.dtype | None = None):
@@ -323,6 +324,10 @@ class FastLlamaRunner:
             out.append(source[taken[flag] : taken[flag] + size])
             taken[flag] += size
         return out, per_chunk
+
+    def head_logits(self, features: torch.Tensor) -> torch.Tensor:  # [m, hidden] -> [m, vocab_size] float32
+        """The logits of final-norm features (forward_batch's), the same bits as the pass gives each row."""
+        return self._head(features)
 
     def _head(self, features: torch.Tensor) -> torch.Tensor:  # [m, hidden] -> [m, vocab_size] float32
         logits = self.head(features).float()  # [m, N kept or vocab_size]

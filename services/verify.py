@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from services.constraint import Grammars, follow, masked, row_masks
+from services.constraint import Grammars, follow, masked, masked_argmax, row_masks
 from services.errors import InvalidRequestError
 from services.grammar import GrammarState
 from services.kv import KVPayload
@@ -165,7 +165,10 @@ class VerifyEngine:
                   for _, _, session, draft, _ in checked]
         starts = [session.cache.seq_len for _, _, session, _, _ in checked]
         trees = [tree for *_, tree in checked]
-        greedy = [session.params.argmax_only for _, _, session, _, _ in checked]
+        # argmax ids, not logits, where greedy verification reads nothing else (a constrained row's: masked_argmax)
+        screens = getattr(self.runner, "screens_masked_rows", False)
+        greedy = [s.params.argmax_only or (screens and s.params.greedy and s.params.logprobs is None)
+                  for _, _, s, _, _ in checked]
         prefilling = [session.prefilling for _, _, session, _, _ in checked]
         # constrained sessions: the grammar's allowed ids at each of their rows, computed beside the pass
         masks = self._masker.submit(self._row_masks, checked) if any(s.grammar is not None for _, _, s, _, _ in checked) else None
@@ -177,7 +180,9 @@ class VerifyEngine:
             try:
                 if isinstance(allowed, Exception):
                     raise allowed
-                logits = masked(logits, allowed)  # the target's logits as the grammar allows them (p is masked)
+                # the target's logits as the grammar allows them (p is masked); argmax ids: of the masked logits
+                logits = (masked_argmax(logits, allowed, features[-logits.shape[0]:], self.runner.head_logits)
+                          if logits.dim() == 1 else masked(logits, allowed))
                 results[slot] = self._verdict(call, session, draft, tree, start, logits, features)
                 follow(session.grammar, results[slot].token_ids)  # a constrained session's: after the emitted tokens
             except Exception as exc:  # noqa: BLE001 - this session's step fails alone; its rows of the pass are dropped

@@ -62,6 +62,8 @@ def test_logprobs_become_the_grpc_fields(model, raw, logprobs, top):
 def test_response_format_becomes_the_json_schema(response_format, schema):
     """Structured outputs: json_object asks for any object, json_schema for its schema (as text); text for nothing."""
     assert request_of(CHAT, chat_body(response_format=response_format)).json_schema == schema
+    completion = json.dumps({"prompt": "a", "response_format": response_format}).encode()
+    assert request_of(TEXT, completion).json_schema == schema  # (completions too: vLLM's extension)
 
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -133,7 +135,6 @@ def test_openai_defaults():
     (CHAT, b"{oops", "invalid request body"),
     (TEXT, b'{"prompt": "a", "echo": true, "best_of": 2}', "echo, best_of: not supported"),
     (TEXT, b'{"prompt": "a", "suffix": "z"}', "suffix: not supported"),
-    (TEXT, b'{"prompt": "a", "response_format": {"type": "json_object"}}', "response_format: not supported"),
     (TEXT, b'{"prompt": "a", "logprobs": 21}', "logprobs: Input should be less than or equal to 20"),
     (TEXT, b'{"prompt": ["a", "b"]}', "prompt has 2 strings: send one prompt per request"),
     (TEXT, b'{"prompt": [[1, 2]]}', "token-id prompts are not supported"),

@@ -8,7 +8,7 @@ import jsonschema
 import pytest
 import torch
 
-from services.constraint import Constraint, Grammars
+from services.constraint import Constraint, Grammars, masked_argmax
 from services.draft import DraftEngine
 from services.eagle_draft import installed_head
 from services.errors import InvalidGrammarError
@@ -211,3 +211,22 @@ def test_a_forbidden_draft_is_rejected_not_an_error(default_pair, params):
         finally:
             verify.close(name)
     assert verdicts[0].n_matches == 0 and verdicts[0].token_ids == verdicts[1].token_ids
+
+
+def test_masked_argmax_is_the_argmax_of_the_masked_logits(default_pair):
+    """A constrained greedy row takes the argmax screen (services.constraint.masked_argmax): where the grammar allows
+    the row's argmax it is kept, elsewhere the row's own logits are masked; either way the id is the argmax of the
+    masked logits, as from the full logits (rows whose argmax is forbidden included)."""
+    target, _ = default_pair
+    runner = VerifyEngine(target).runner
+    assert runner.screens_masked_rows  # (the compact forward: the default pair's)
+    prompt = torch.tensor(chat(target.tokenizer, QUESTIONS[0]))
+    features = runner.forward(prompt, runner.new_cache(), return_features=True)[1][-8:]  # [8, hidden]
+    logits = runner.head_logits(features)  # [8, V]
+    ids = runner.argmax(features)
+    assert torch.equal(ids, logits.argmax(-1))
+    allowed = torch.rand(logits.shape, generator=torch.Generator().manual_seed(0)) < 0.5  # [8, V]
+    allowed[torch.arange(8), ids] = torch.arange(8) % 2 == 0  # odd rows: the argmax is forbidden
+    got = masked_argmax(ids, allowed, features, runner.head_logits)
+    assert torch.equal(got, logits.masked_fill(~allowed, float("-inf")).argmax(-1))
+    assert not torch.equal(got, ids)  # (the forbidden rows took another id)

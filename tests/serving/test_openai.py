@@ -267,7 +267,7 @@ SPECULATE = [{"mode": "on", "num_draft_tokens": 3, "drafter": "eagle"}, {"mode":
 @pytest.mark.parametrize("response_format,schema", FORMATS, ids=["json_schema", "json_object"])
 def test_structured_outputs_are_schema_valid_and_speculation_changes_nothing(client, oai, response_format, schema):
     """The openai client gets JSON valid under the schema, the same answer with speculation on as off (greedy), and
-    gRPC's json_schema field gives it too."""
+    gRPC's json_schema field gives it too; so do completions."""
     prompt = "Give a person's name and age as JSON."
     off = chat(oai, prompt, temperature=0, max_tokens=64, response_format=response_format,
                extra_body={"speculation": {"mode": "off"}})
@@ -280,6 +280,9 @@ def test_structured_outputs_are_schema_valid_and_speculation_changes_nothing(cli
     grpc_answer = client.generate(messages=[("user", prompt)], max_new_tokens=64,
                                   json_schema=json.dumps(response_format.get("json_schema", {}).get("schema", schema)))
     assert grpc_answer.text == off.choices[0].message.content
+    completion = oai.completions.create(model=MODEL, prompt=f"{prompt}\n", max_tokens=64, temperature=0,
+                                        extra_body={"response_format": response_format})  # (vLLM's extension)
+    jsonschema.validate(json.loads(completion.choices[0].text), schema)
 
 
 WEATHER = {"type": "function", "function": {
