@@ -181,8 +181,10 @@ class VerifyEngine:
                 if isinstance(allowed, Exception):
                     raise allowed
                 # the target's logits as the grammar allows them (p is masked); argmax ids: of the masked logits
-                logits = (masked_argmax(logits, allowed, features[-logits.shape[0]:], self.runner.head_logits)
-                          if logits.dim() == 1 else masked(logits, allowed))
+                if allowed is not None and logits.dim() == 1:  # (argmax ids: screens_masked_rows)
+                    logits = masked_argmax(logits, allowed, features[-logits.shape[0]:], self.runner.head_logits)
+                else:
+                    logits = masked(logits, allowed)
                 results[slot] = self._verdict(call, session, draft, tree, start, logits, features)
                 follow(session.grammar, results[slot].token_ids)  # a constrained session's: after the emitted tokens
             except Exception as exc:  # noqa: BLE001 - this session's step fails alone; its rows of the pass are dropped
