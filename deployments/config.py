@@ -126,7 +126,7 @@ class SpeculationDefaults(_Strict):
     )
     drafter: str = Field(
         "", description="default drafter kind (services.drafters: model, eagle, prompt_lookup, hybrid, or one of "
-        "models.drafter_modules); empty = eagle when the drafter folder has an EAGLE head, else model"
+        "models.drafter_modules); empty = hybrid when the drafter folder has an EAGLE head, else model"
     )
     overlap: bool | None = Field(
         None, description="pre-draft: the drafter drafts beyond the block the verifier is checking (services.loop); "

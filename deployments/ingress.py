@@ -33,7 +33,6 @@ from deployments.recovery import StageCalls
 from deployments.stages import model_dirs, rss_bytes
 from deployments.status import RequestDeadlineError, StageUnavailableError, UnauthenticatedError, to_status, unwrap
 from services import drafters, eagle_draft
-from services.drafters import EAGLE_DRAFTER, MODEL_DRAFTER
 from services.constraint import Grammars
 from services.loading import check_tokenizers, describe
 from services.loop import StepOutput
@@ -64,10 +63,10 @@ class SpecDecodeIngress(OpenAIRoutes):
         check_tokenizers(self.target, draft_dir)
         has_head = eagle_draft.find(draft_dir) is not None  # the drafter loads it (and checks it fits the target)
         self.drafters = tuple(name for name, kind in drafters.kinds().items() if kind.needs != "head" or has_head)
-        self.default_drafter = self.config.speculation.drafter or (EAGLE_DRAFTER if has_head else MODEL_DRAFTER)
+        self.default_drafter = self.config.speculation.drafter or drafters.default_kind(self.drafters)
         if self.default_drafter not in self.drafters:
-            raise ValueError(f"speculation.drafter is {EAGLE_DRAFTER!r} but {draft_dir} has no {eagle_draft.HEAD_FILE} "
-                             "(`splitspec models prepare` installs the default pair's)")
+            raise ValueError(f"speculation.drafter is {self.default_drafter!r} but {draft_dir} has no "
+                             f"{eagle_draft.HEAD_FILE} (`splitspec models prepare` installs the default pair's)")
         self.metrics = RequestMetrics()
         self.stages = StageCalls(self.config, self.metrics)
         self.decoder = Decoder(self.config, prefill, verify, self.target.eos_token_ids, self.metrics, self.stages)

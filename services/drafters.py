@@ -32,6 +32,7 @@ from services.tree import tree_rows
 MODEL_DRAFTER = "model"  # a small model with the target's tokenizer
 EAGLE_DRAFTER = "eagle"  # a one-layer head over the target's features (services.eagle_draft)
 PROMPT_LOOKUP_DRAFTER = "prompt_lookup"  # n-gram matches in the prompt and the text so far
+HYBRID_DRAFTER = "hybrid"  # prompt lookup where the text repeats, the EAGLE head elsewhere (services.hybrid_draft)
 DRAFT_STREAM = 1  # random stream of draft samples (see sampling.make_generator)
 BUILTIN_MODULES = ("services.draft", "services.eagle_draft", "services.hybrid_draft")  # the built-in kinds
 
@@ -53,6 +54,12 @@ class DraftProposal:
     branches: list[Branch] = field(default_factory=list)  # pre_draft's, most likely verdict first
     parents: list[int] | None = None  # the tokens as a draft tree (services.tree): the chain, then side nodes
     draft_s: float = 0.0  # seconds of the drafter's pass that drafted it, where it drafts (a timeline's "draft")
+
+
+def default_kind(available: Sequence[str]) -> str:
+    """The kind a request that names none drafts with, of those a drafter folder offers: the hybrid where there is an
+    EAGLE head (it drafts with the head, and copies where the text repeats), else the drafter model."""
+    return HYBRID_DRAFTER if HYBRID_DRAFTER in available else MODEL_DRAFTER
 
 
 def guess_order(logits: torch.Tensor, width: int, exclude: int | None = None) -> list[int]:

@@ -18,13 +18,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from services.drafters import DrafterKind, DraftProposal, register
+from services.drafters import HYBRID_DRAFTER, DrafterKind, DraftProposal, register
 from services.eagle_draft import EagleDraftSession
 from services.eagle_draft import start as start_eagle
 from services.prompt_lookup import find_candidates
 from services.tree import chain_parents, tree_rows
 
-HYBRID_DRAFTER = "hybrid"
 MIN_LOOKUP = 2  # a lookup proposal needs at least this many tokens; shorter matches leave the step to the head
 
 

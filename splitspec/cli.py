@@ -147,7 +147,7 @@ def _write_report(args, report: dict, plot=None, ok: bool | None = None) -> int:
 
 def cmd_generate_local(args) -> int:
     from services.draft import DraftEngine
-    from services.drafters import EAGLE_DRAFTER, MODEL_DRAFTER
+    from services.drafters import default_kind
     from services.eagle_draft import installed_head
     from services.loop import SpeculationStats, speculative_decode
     from services.policy import DEFAULT_MAX_DRAFT_TOKENS, AdaptiveK, CostModel
@@ -162,7 +162,7 @@ def cmd_generate_local(args) -> int:
     params = SamplingParams(temperature=args.temperature, top_p=1.0 if args.top_p is None else args.top_p,
                             top_k=args.top_k, seed=args.seed)
     draft_engine = DraftEngine(draft, eagle_head=installed_head(draft, target)) if args.k != 0 else None
-    drafter = args.drafter or (EAGLE_DRAFTER if draft_engine and EAGLE_DRAFTER in draft_engine.drafters else MODEL_DRAFTER)
+    drafter = args.drafter or default_kind(draft_engine.drafters if draft_engine else ())
     policy = AdaptiveK(CostModel()) if args.k is None else None  # no --k: adaptive, as the server's default
     engines = PrefillEngine(target), draft_engine, VerifyEngine(target)
     tokens, stats = [], SpeculationStats()
@@ -696,7 +696,7 @@ def build_parser() -> argparse.ArgumentParser:
     drafter.add_argument("--temperature", type=float, default=0.0,
                          help="0: greedy (answers checked against the target's); > 0: sampled, each prompt seeded")
     drafter.add_argument("--drafter", choices=["model", "eagle", "hybrid"],
-                         help="default: eagle when the drafter folder has a head (hybrid: prompt lookup where the text repeats)")
+                         help="default: hybrid (the head, and prompt lookup where the text repeats) when the drafter folder has a head, else model")
     drafter.add_argument("--json", help="also write the report as JSON here")
     drafter.set_defaults(fn=cmd_bench_drafter)
     batching = bench.add_parser("batching", help="each engine's calls for B sessions one by one vs in one batched pass")

@@ -33,7 +33,7 @@ import statistics
 import torch
 
 from services.draft import DraftEngine
-from services.drafters import EAGLE_DRAFTER, MODEL_DRAFTER
+from services.drafters import MODEL_DRAFTER, default_kind
 from services.eagle_draft import installed_head
 from services.loading import LoadedModel
 from services.loop import GenerationResult, SpeculationStats, generate
@@ -155,7 +155,7 @@ def run(
     prompts = [chat_ids(target.tokenizer, p) for _, p in labelled]
     costs = StepCosts()
     draft_engine = DraftEngine(draft, draft_vocab_size=draft_vocab_size, eagle_head=installed_head(draft, target))
-    drafter = drafter or (EAGLE_DRAFTER if EAGLE_DRAFTER in draft_engine.drafters else MODEL_DRAFTER)
+    drafter = drafter or default_kind(draft_engine.drafters)
     if drafter not in draft_engine.drafters:
         raise ValueError(f"drafter {drafter!r} is not available here; this drafter folder offers {list(draft_engine.drafters)}")
     prefill, verify_engine = PrefillEngine(target), VerifyEngine(target)
