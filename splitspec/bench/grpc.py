@@ -2,7 +2,9 @@
 
 Single stream, greedy, the same held-out prompts for every policy; the
 policies take turns prompt by prompt so that machine noise hits all of them
-alike. Prints ratios (never asserted in tests: the machines are noisy).
+alike, after untimed one-token requests (one a policy) have put the prompt in
+the prefix cache (else the first policy to ask for a prompt, or for its
+features, would pay its prefill and the others hit). Prints ratios (never asserted in tests: the machines are noisy).
 
 The ideal of a policy is an upper bound for its measured acceptance: every
 verify step (k + 1 tokens scored) costs what one step of speculation off
@@ -131,6 +133,10 @@ def run(client: SpecDecodeClient, *, num_prompts: int = 8, max_new_tokens: int =
     answers: dict[str, list[list[int] | None]] = {name: [] for name in chosen}
     errors = []
     for i, (category, prompt) in enumerate(labelled):
+        # the prompt's prefill into the prefix cache first, as each policy asks for it (with the target's features
+        # where its drafter reads them): else the first policy of each kind pays it and the others hit
+        for policy in chosen.values():
+            client.generate(messages=[("user", prompt)], max_new_tokens=1, **policy)
         for name, policy in chosen.items():
             start = time.perf_counter()
             try:
@@ -174,7 +180,7 @@ def add_drafting_ideal(report: dict, state: dict, tree_width: int) -> None:
         for drafter, learned in place.items():
             for k, ms in (learned.get("min_propose_ms") or {}).items() if isinstance(learned, dict) else ():
                 per_token_s[drafter] = min(per_token_s.get(drafter, float("inf")), ms / 1000 / int(k))
-    default = next((d for d in ("eagle", "model") if d in per_token_s), None)  # the server default's drafter
+    default = next((d for d in ("hybrid", "eagle", "model") if d in per_token_s), None)  # the server default's drafter
     for name, r in report["policies"].items():
         drafter = POLICIES.get(name, {}).get("drafter", default)
         if not r["drafted"] or drafter not in per_token_s:

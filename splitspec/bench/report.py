@@ -40,7 +40,11 @@ class Figure:
 
 
 SPECBENCH = "docs/bench/specbench/check-full.json"
-GRPC = "docs/bench/bench-grpc.json"
+GRPC_POLICIES = "'off,server default,eagle adaptive sequential,hybrid k=3'"
+SPECBENCH_GRPC = "docs/bench/specbench/grpc-hybrid-default-12x48.json"
+SPECBENCH_GRPC_RUN = f"splitspec bench grpc --prompt-set specbench --prompts 12 --max-new-tokens 48 --policies {GRPC_POLICIES}"
+HELD_OUT_GRPC = "docs/bench/grpc-hybrid-default-heldout-8x64.json"
+HELD_OUT_GRPC_RUN = f"splitspec bench grpc --prompts 8 --max-new-tokens 64 --policies {GRPC_POLICIES}"
 LOAD = "docs/bench/bench-load.json"
 SOAK = "docs/bench/soak.json"
 ENGINE = "docs/bench/bench-engine.json"
@@ -55,16 +59,18 @@ FIGURES = [
            "2026-12-06", "splitspec bench grpc --prompt-set specbench --check --prompts 0"),
     Figure("Spec-Bench, 480 first turns: greedy answers identical to speculation off", SPECBENCH,
            ("greedy_identical",), "", "2026-12-06", "splitspec bench grpc --prompt-set specbench --check --prompts 0"),
-    Figure("Spec-Bench, 480 first turns: server default / speculation off, tok/s", SPECBENCH,
-           ("policies", "server default", "ratio_vs_off"), "x", "2026-12-06", "splitspec bench grpc --prompt-set specbench --check --prompts 0"),
-    Figure("Spec-Bench: mean accepted length, server default", SPECBENCH,
-           ("policies", "server default", "mean_accepted_length"), "", "2026-12-06", "splitspec bench grpc --prompt-set specbench --check --prompts 0"),
-    Figure("held-out prompts, single stream: server default / speculation off", GRPC,
-           ("policies", "server default", "ratio_vs_off"), "x", "2026-12-05", "splitspec bench grpc"),
-    Figure("held-out prompts, single stream: best policy (EAGLE k=2) / speculation off", GRPC,
-           ("policies", "eagle k=2", "ratio_vs_off"), "x", "2026-12-05", "splitspec bench grpc"),
-    Figure("held-out prompts, single stream: speculation off", GRPC, ("policies", "off", "tok_s"), "tok/s",
-           "2026-12-05", "splitspec bench grpc"),
+    Figure("Spec-Bench, 12 first turns x 48 tokens, single stream: server default (hybrid) / speculation off",
+           SPECBENCH_GRPC, ("policies", "server default", "ratio_vs_off"), "x", "2026-12-06", SPECBENCH_GRPC_RUN),
+    Figure("the same: mean accepted length, server default", SPECBENCH_GRPC,
+           ("policies", "server default", "mean_accepted_length"), "", "2026-12-06", SPECBENCH_GRPC_RUN),
+    Figure("the same: the EAGLE head alone, adaptive (the earlier default) / speculation off", SPECBENCH_GRPC,
+           ("policies", "eagle adaptive sequential", "ratio_vs_off"), "x", "2026-12-06", SPECBENCH_GRPC_RUN),
+    Figure("held-out prompts, 8 x 64 tokens, single stream: server default (hybrid) / speculation off", HELD_OUT_GRPC,
+           ("policies", "server default", "ratio_vs_off"), "x", "2026-12-06", HELD_OUT_GRPC_RUN),
+    Figure("the same: the EAGLE head alone, adaptive / speculation off", HELD_OUT_GRPC,
+           ("policies", "eagle adaptive sequential", "ratio_vs_off"), "x", "2026-12-06", HELD_OUT_GRPC_RUN),
+    Figure("held-out prompts, single stream: speculation off", HELD_OUT_GRPC, ("policies", "off", "tok_s"), "tok/s",
+           "2026-12-06", HELD_OUT_GRPC_RUN),
     Figure("held-out prompts, verify alone on a core, the verify replica drafting: server default / speculation off",
            LAYOUTS, ("layouts", "colocated", "policies", "server default", "ratio_vs_off"), "x", "2026-12-06", LAYOUTS_RUN),
     Figure("the same, the draft stage drafting on the other core: server default / the verify replica drafting",
