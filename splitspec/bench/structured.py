@@ -132,21 +132,24 @@ def mask_cost(json_schemas: list[dict], answers: list[str], tokenizer_dir: str) 
 def neighbours(client, prompts: list[str], schema: dict, *, plain: int = 3, requests: int = 12, rounds: int = 2,
                max_new_tokens: int = 48) -> dict:
     """``plain`` closed-loop streams (the server default, greedy) while one more stream loops beside them, that one
-    constrained by ``schema`` or not, alternating ``rounds`` times: the plain streams' time per output token (p50,
+    constrained by ``schema`` or not (as long), alternating ``rounds`` times: the plain streams' time per output token (p50,
     ms) with each neighbour, and their ratio (constrained / plain neighbour: > 1 is the slowdown a constrained
     request causes its neighbours beyond the load of any request)."""
     from splitspec.bench import load
 
     tpot: dict[str, list[float]] = {"plain": [], "constrained": []}
+    question = [("user", "Describe a book as JSON.")]
+    # the plain neighbour answers as many tokens as the constrained one (greedy: the same answer each time), so that
+    # both start requests (prefills) as often
+    length = len(client.generate(messages=question, max_new_tokens=max_new_tokens, json_schema=json.dumps(schema)).token_ids)
     for _ in range(rounds):
         for kind in ("plain", "constrained"):
             done = threading.Event()
-            extra = {"json_schema": json.dumps(schema)} if kind == "constrained" else {}
+            extra = {"json_schema": json.dumps(schema)} if kind == "constrained" else {"max_new_tokens": length}
 
             def neighbour(extra=extra, done=done):
                 while not done.is_set():
-                    for _ in client.stream(messages=[("user", "Describe a book as JSON.")], max_new_tokens=max_new_tokens,
-                                           **extra):
+                    for _ in client.stream(messages=question, **{"max_new_tokens": max_new_tokens, **extra}):
                         pass
 
             thread = threading.Thread(target=neighbour, daemon=True)
