@@ -19,8 +19,9 @@ pytestmark = pytest.mark.slow
 
 VERIFY_CPU = max(os.sched_getaffinity(0))
 REPEAT_MODULE = "tests.serving.repeat_drafter"
-POLICIES = [dict(speculate=True, drafter=drafter, num_draft_tokens=k)
-            for drafter in ("model", "eagle", "prompt_lookup") for k in (0, 1, 3)]  # k = 0: adaptive
+POLICIES = [dict(speculate=True, drafter=drafter, num_draft_tokens=k)  # k = 0: adaptive (hybrid-k0: the server default)
+            for drafter, k in (("hybrid", 0), ("hybrid", 3), ("model", 0), ("model", 3), ("eagle", 1), ("eagle", 3),
+                               ("prompt_lookup", 0), ("prompt_lookup", 3))]  # (each kind adaptive or with 1, and with 3)
 
 
 @pytest.fixture(scope="module")

@@ -13,10 +13,10 @@ pytestmark = pytest.mark.slow
 
 POLICIES = [dict(speculate=False)] + [  # (overlap unset: the remote layout's default, pre-drafting)
     dict(speculate=True, drafter=drafter, num_draft_tokens=k) for drafter, k in (
-        ("model", 1), ("model", 3), ("eagle", 0), ("eagle", 2), ("eagle", 5), ("prompt_lookup", 3))
+        ("model", 1), ("model", 3), ("hybrid", 0), ("eagle", 2), ("eagle", 5), ("prompt_lookup", 3))
 ] + [  # without pre-drafting: chains, and trees for these greedy requests (k = 0: the server's adaptive k)
     dict(speculate=True, drafter=drafter, num_draft_tokens=k, overlap=False) for drafter, k in (
-        ("eagle", 0), ("eagle", 3), ("model", 2), ("prompt_lookup", 1))
+        ("hybrid", 0), ("eagle", 3), ("model", 2), ("prompt_lookup", 1))
 ]
 
 
