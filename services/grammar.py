@@ -31,7 +31,6 @@ from collections.abc import Sequence
 
 import llguidance
 import llguidance.hf
-import llguidance.torch
 import torch
 
 from services.errors import GrammarStateError, InvalidGrammarError
@@ -150,7 +149,10 @@ class GrammarState:
         if self._eos_at is not None:
             out[row] = self.compiler._eos_words
             return
-        llguidance.torch.fill_next_token_bitmask(self._matcher, out, row)
+        words = out[row]  # (llguidance.torch.fill_next_token_bitmask's call: that module imports torch's compiler, 1 s)
+        if not (out.dtype == torch.int32 and out.is_cpu and words.is_contiguous()):
+            raise ValueError("a grammar bitmask is int32, on the CPU, its rows contiguous")
+        self._matcher.unsafe_compute_mask_ptr(words.data_ptr(), words.numel() * words.element_size())
         out[row] &= self.compiler._real_words
 
     def bitmask(self) -> torch.Tensor:
