@@ -136,3 +136,38 @@ def exposed_sockets(procs: list[psutil.Process], grpc_port: int) -> list[str]:
     """'name pid ip:port' of every listening socket beyond loopback, other than the two that Ray 2.60 fixes."""
     return [str(l) for l in network.listeners(procs) if l.beyond_loopback
             and not (l.process == PROXY_PROCESS and l.port == grpc_port) and not l.process.startswith(REPLICA_PROCESS_PREFIX)]
+
+
+class OpenStream:
+    """A long stream from `splitspec serve` on ``port``, read in a thread: ``wait_started`` until its first chunk,
+    ``ended`` once it is over (finished, or with ``outcome["status"]``)."""
+
+    def __init__(self, port: int, timeout_s: float):
+        import threading
+
+        self.port, self.timeout_s = port, timeout_s
+        self.started, self.ended = threading.Event(), threading.Event()
+        self.outcome: dict = {"chunks": 0}
+        threading.Thread(target=self._consume, daemon=True).start()
+
+    def _consume(self) -> None:
+        import grpc
+
+        from splitspec.api.client import SpecDecodeClient
+
+        try:
+            with SpecDecodeClient(f"127.0.0.1:{self.port}", timeout_s=self.timeout_s) as client:
+                for _ in client.stream(messages=[("user", "Write a long story about a lighthouse keeper.")],
+                                       max_new_tokens=400):
+                    self.outcome["chunks"] += 1
+                    self.started.set()
+        except grpc.RpcError as exc:
+            self.outcome["status"] = exc.code()
+        finally:
+            self.started.set()
+            self.ended.set()
+
+    def wait_started(self) -> None:
+        """Until its first chunk; it must still be running then."""
+        assert self.started.wait(self.timeout_s), "no chunk of the stream came"
+        assert not self.ended.is_set(), f"the stream ended before the stop: {self.outcome}"

@@ -1,5 +1,5 @@
 """`splitspec serve` prints its addresses, `splitspec generate` streams an answer through it, its OpenAI API answers
-on --http-port, Ctrl-C stops it cleanly."""
+on --http-port, Ctrl-C stops it cleanly while a stream is open (the stream ends)."""
 
 import os
 import signal
@@ -10,7 +10,7 @@ import pytest
 
 from splitspec.stopping import DEFAULT_STOP_TIMEOUT_S
 from tests.serving.conftest import free_port
-from tests.serving.processes import BIN, SERVING, ServeProcess, exposed_sockets, listening_on, proxy_port
+from tests.serving.processes import BIN, OpenStream, ServeProcess, exposed_sockets, listening_on, proxy_port
 
 pytestmark = pytest.mark.slow
 
@@ -35,7 +35,7 @@ def test_serve_generate_ctrl_c(tmp_path):
                               f"127.0.0.1:{port}", "--max-new-tokens", "16", "--k", "2"],
                              capture_output=True, text=True, timeout=120, env=env)
         assert out.returncode == 0, out.stderr
-        assert "Paris" in out.stdout and "drafter eagle, k=2" in out.stdout  # the default pair ships an EAGLE head: the server default
+        assert "Paris" in out.stdout and "drafter hybrid, k=2" in out.stdout  # the default pair ships an EAGLE head: the hybrid is the server default
         bad = subprocess.run([BIN / "splitspec", "generate", "hi", "--address", f"127.0.0.1:{port}", "--temperature", "-1"],
                              capture_output=True, text=True, timeout=60, env=env)
         assert bad.returncode == 1 and "INVALID_ARGUMENT" in bad.stderr
@@ -46,8 +46,11 @@ def test_serve_generate_ctrl_c(tmp_path):
         other = subprocess.run([BIN / "splitspec", "health", "--address", f"127.0.0.1:{port}", "--app-name", "nope"],
                                capture_output=True, text=True, timeout=60, env=env)
         assert other.returncode == 1 and "not 'nope'" in other.stderr
+        stream = OpenStream(port, DEFAULT_STOP_TIMEOUT_S * 2)  # Ctrl-C while a stream is open
+        stream.wait_started()
         code, took = serve.stop(signal.SIGINT, DEFAULT_STOP_TIMEOUT_S + 10)
         assert code == 0, f"exit {code} after {took:.1f}s:\n{serve.log[-3000:]}"
+        assert stream.ended.wait(DEFAULT_STOP_TIMEOUT_S), "the open stream never ended"
         assert "stopping" in serve.log and "stopped." in serve.log
         assert not serve.leftovers() and not listening_on(port) and not listening_on(http_port)
         gone = subprocess.run([BIN / "splitspec", "health", "--address", f"127.0.0.1:{port}", "--timeout", "2"],

@@ -6,8 +6,10 @@ exits its process, or holds until the test kills the replica through Ray. Serve 
 """
 
 import concurrent.futures
+import json
 
 import grpc
+import jsonschema
 import pytest
 import ray
 
@@ -90,6 +92,24 @@ def test_logprobs_survive_a_lost_verify_replica(client, expected):
     got, ref = [e for c in chunks for e in c.logprobs], [e for c in want for e in c.logprobs]
     assert [e.token_id for e in got] == _tokens(chunks) and all(len(e.top_logprobs) == 2 for e in got)
     assert all(abs(a.logprob - b.logprob) <= 1e-4 for a, b in zip(got, ref)), [(a.logprob, b.logprob) for a, b in zip(got, ref)]
+
+
+def test_a_constrained_answer_survives_a_lost_verify_replica(client):
+    """Structured output (a JSON schema) through a lost verify replica: the grammar of the reopened session starts
+    after the tokens already emitted (services.constraint: Constraint.prefix), so the answer is the no-fault one,
+    token for token, and valid under the schema."""
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "ages": {"type": "array", "items": {
+        "type": "integer"}, "minItems": 6, "maxItems": 6}}, "required": ["name", "ages"], "additionalProperties": False}
+    kwargs = dict(messages=[("user", "Give a name and six ages as JSON.")], max_new_tokens=64,
+                  json_schema=json.dumps(schema), **PINNED)
+    want = list(client.stream(**kwargs))  # no fault
+    before = _recoveries().get("verify", 0)
+    arm("Verify", "verify", "exit", after=2)
+    chunks = list(client.stream(**kwargs))
+    assert _recoveries()["verify"] == before + 1
+    assert _tokens(chunks) == _tokens(want)
+    text = "".join(c.text for c in chunks)
+    jsonschema.validate(json.loads(text), schema)
 
 
 def test_verify_replica_lost_mid_request_without_speculation(client, expected):

@@ -115,11 +115,11 @@ def test_server_reflection_lists_the_service(client):
     assert "splitspec.v1.SpecDecode" in [s.name for s in answer.list_services_response.service]
 
 
-def test_server_default_is_adaptive_with_the_eagle_drafter(client, reference):
+def test_server_default_is_adaptive_with_the_hybrid_drafter(client, reference):
     response = client.generate(messages=[("user", PROMPTS[0])], max_new_tokens=MAX_NEW_TOKENS)
     assert list(response.token_ids) == reference(PROMPTS[0])
     stats = response.speculation_stats
-    assert stats.enabled and stats.adaptive and stats.drafter == "eagle" and stats.num_draft_tokens == 4
+    assert stats.enabled and stats.adaptive and stats.drafter == "hybrid" and stats.num_draft_tokens == 4
 
 
 def test_under_load_the_server_default_goes_without_a_drafter(client, reference):

@@ -1,29 +1,31 @@
 """`splitspec serve` always stops within its bound on Ctrl-C / SIGTERM — during start-up, while serving, during an
-open stream, on 1 node and on 3 — and leaves no process of its Ray session and no listening port behind."""
+open stream, on 1 node and on 3 — and leaves no process of its Ray session and no listening port behind; on 3 nodes
+Ray's own traffic stays on loopback."""
 
 import signal
-import threading
 
-import grpc
 import pytest
 
-from splitspec.api.client import SpecDecodeClient
+from splitspec import network
 from splitspec.stopping import FORCED_EXIT_CODE
 from splitspec.cli import STARTING
 from tests.serving.conftest import free_port, stop_shared_cluster, until
-from tests.serving.processes import REPLICA_PROCESS_PREFIX, SERVING, ServeProcess, listening_on
+from tests.serving.processes import (
+    INGRESS_PROCESS, PROXY_PROCESS, REPLICA_PROCESS_PREFIX, SERVING, OpenStream, ServeProcess, exposed_sockets,
+    listeners, listening_on, proxy_port,
+)
 
 pytestmark = pytest.mark.slow
 
 STOP_TIMEOUT_S = 30  # the bound under test (`--stop-timeout`, also the default)
 EXIT_MARGIN_S = 10  # beyond the bound, only for a forced stop to finish killing
 # SIGINT and SIGTERM reach one handler (splitspec.stopping.STOP_SIGNALS), so each scenario runs each signal and
-# each node count once, pairwise, instead of the full 2 x 2 (four serve starts less: about 4 minutes of the suite).
+# each node count once, pairwise, instead of the full 2 x 2 (four serve starts less: about 4 minutes of the suite);
+# the open stream on 1 node with SIGINT is test_cli.py's, on 3 nodes with SIGTERM here (with the checks that Ray listens on loopback).
 # Start-up has three points to stop at (0: Ray not up yet, 1: the app deploying, 2: replicas loading their models),
 # dealt over the two cases (a serve start each: about 25 s).
 START_UP_CASES = [(signal.SIGINT, 1), (signal.SIGTERM, 3)]
 START_UP_POINTS = {1: (0, 2), 3: (1,)}  # nodes -> points
-OPEN_STREAM_CASES = [(signal.SIGTERM, 1), (signal.SIGINT, 3)]
 
 
 def case_id(case) -> str:
@@ -62,34 +64,38 @@ def test_stop_during_start_up(tmp_path, nodes, sig):
             assert_stopped_cleanly(proc, sig, port)
 
 
-@pytest.mark.parametrize("sig,nodes", OPEN_STREAM_CASES, ids=map(case_id, OPEN_STREAM_CASES))
-def test_stop_during_open_stream(tmp_path, nodes, sig):
-    """A stop while a stream is open: the stream ends (finished or with a status), the service stops within the bound."""
-    port = free_port()
-    with serve(tmp_path, port, nodes) as proc:
+def test_three_nodes_listen_on_loopback_and_stop_during_an_open_stream(tmp_path):
+    """`serve --nodes 3`: Ray's internal traffic stays on loopback (nothing listens beyond 127.0.0.1 but what Ray
+    2.60's Serve fixes: the gRPC proxy's port, each replica's gRPC servers: the inter-deployment one and, with direct
+    ingress, the service's port), and `splitspec serve` prints every one of those, the replicas' too, and warns that
+    they listen beyond loopback without a token. Then SIGTERM while a stream is open: the stream ends (finished or
+    with a status), the service stops within the bound. (1 node, SIGINT during a stream: test_cli.py.)"""
+    port, http_port = free_port(), free_port()
+    with ServeProcess(tmp_path, "--grpc-port", str(port), "--http-port", str(http_port), "--nodes", "3",
+                      "--stop-timeout", str(STOP_TIMEOUT_S)) as proc:
         proc.wait_for(SERVING)
-        started, ended = threading.Event(), threading.Event()
-        outcome = {"chunks": 0}
-
-        def consume():
-            try:
-                with SpecDecodeClient(f"127.0.0.1:{port}", timeout_s=STOP_TIMEOUT_S * 2) as client:
-                    for _ in client.stream(messages=[("user", "Write a long story about a lighthouse keeper.")],
-                                           max_new_tokens=400):
-                        outcome["chunks"] += 1
-                        started.set()
-            except grpc.RpcError as exc:
-                outcome["status"] = exc.code()
-            finally:
-                started.set()
-                ended.set()
-
-        streamer = threading.Thread(target=consume, daemon=True)
-        streamer.start()
-        assert started.wait(STOP_TIMEOUT_S * 2), "no chunk of the stream came"  # the stream is running
-        assert not ended.is_set(), f"the stream ended before the stop: {outcome}"
-        assert_stopped_cleanly(proc, sig, port)
-        assert ended.wait(STOP_TIMEOUT_S), "the open stream never ended"
+        proc.wait_for("Ctrl-C stops it.")  # (after the lines of what it bound)
+        procs = proc.leftovers()  # every process of the session, while it runs
+        names = [p.name() for p in procs]
+        assert sum(n == "raylet" for n in names) == 4, names  # head + prefill / draft / verify nodes
+        assert names.count(PROXY_PROCESS) == 1, names  # one proxy (head node): the gRPC port opens once
+        # the ingress replica serves the port (direct ingress); Serve's proxy has one of its own beside it
+        assert exposed_sockets(procs, proxy_port(proc.log, port)) == []
+        owners = listeners(procs, port)  # (Ray's process title may carry the method running: ".GenerateStream")
+        assert len(owners) == 1 and owners[0].startswith(INGRESS_PROCESS), owners
+        # what it printed is what listens: every socket beyond loopback, the replicas' included, and the warning
+        exposed = [line for line in network.listeners(procs) if line.beyond_loopback]
+        assert any(p.process.startswith(REPLICA_PROCESS_PREFIX) and p.port != port for p in exposed), exposed
+        log = proc.log
+        assert f"gRPC port {port} is bound on [::]" in log, log[-3000:]
+        assert f"OpenAI HTTP port {http_port} is bound on 127.0.0.1\n" in log, log[-3000:]
+        for listener in exposed:
+            assert f":{listener.port} (" in log or listener.port == port, (str(listener), log[-3000:])
+        assert "WARNING: ports" in log and "with no authentication" in log
+        stream = OpenStream(port, STOP_TIMEOUT_S * 2)
+        stream.wait_started()
+        assert_stopped_cleanly(proc, signal.SIGTERM, port)
+        assert stream.ended.wait(STOP_TIMEOUT_S), "the open stream never ended"
 
 
 def test_second_ctrl_c_forces_the_stop(tmp_path):
