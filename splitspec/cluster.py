@@ -92,10 +92,20 @@ class DeployError(RuntimeError):
     """The application failed to deploy: Serve gave up on a deployment (e.g. its replicas' constructor raised)."""
 
 
+# errors of a replica's constructor that no retry fixes (a stage's device absent on its node): the deploy fails at the
+# first, where Serve would start the replica again (3 times a replica) before it gave up
+PERMANENT_STARTUP_ERRORS = ("DeviceUnavailableError",)
+
+
+def _permanently_failing(deployment) -> bool:
+    return deployment.status == "UPDATING" and any(f"{error}:" in (deployment.message or "")
+                                                   for error in PERMANENT_STARTUP_ERRORS)
+
+
 def _deploy_failure(name: str, status) -> DeployError:
     """The failed deployments with the last line of each one's error (Serve's app message only names them)."""
     reasons = [f"{deployment}: {_last_line(d.message)}" for deployment, d in status.deployments.items()
-               if d.status in ("DEPLOY_FAILED", "UNHEALTHY") and d.message]
+               if (d.status in ("DEPLOY_FAILED", "UNHEALTHY") or _permanently_failing(d)) and d.message]
     return DeployError(f"application {name!r} failed to deploy: {status.message}"
                        + "".join(f"\n  {reason}" for reason in reasons))
 
@@ -288,7 +298,8 @@ def deploy(config: AppConfig, *, name: str = DEFAULT_APP_NAME, route_prefix: str
         status = serve.status().applications.get(name)
         if status is not None and status.status == "RUNNING":
             return True
-        if status is not None and status.status == "DEPLOY_FAILED":
+        if status is not None and (status.status == "DEPLOY_FAILED"
+                                   or any(_permanently_failing(d) for d in status.deployments.values())):
             raise _deploy_failure(name, status)
         if time.monotonic() - start > timeout_s:
             raise TimeoutError(f"application {name!r} not running after {timeout_s:g}s: {status.message if status else ''}")
