@@ -32,6 +32,18 @@ BOUND_S = 180  # bounds a wait for a replica to hold a call or come back (second
 
 
 
+def in_pairs(client, prompts: list[str], **policy) -> list[tuple[str, object]]:
+    """(prompt, its unary response) for each prompt, sent two at a time (the verify replica batches them: the suite's
+    time; two is within the adaptive policy's off_above_concurrency, so adaptive requests still draft)."""
+    import concurrent.futures
+
+    def ask(prompt):
+        return client.generate(messages=[("user", prompt)], max_new_tokens=MAX_NEW_TOKENS, **policy)
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        return list(zip(prompts, pool.map(ask, prompts)))
+
+
 def make_config(**overrides) -> AppConfig:
     """Small limits so that the tests are quick; ``overrides`` merge into the dict form."""
     data = AppConfig().model_dump()

@@ -11,8 +11,8 @@ import pytest
 import ray
 
 from tests.serving.conftest import (
-    BOUND_S, MAX_NEW_TOKENS, PROMPTS, arm, assert_second_token_follows_the_target, handle, held, local_prefills,
-    make_config, serving, until,
+    BOUND_S, MAX_NEW_TOKENS, PROMPTS, arm, assert_second_token_follows_the_target, handle, held, in_pairs,
+    local_prefills, make_config, serving, until,
 )
 
 pytestmark = pytest.mark.slow
@@ -47,8 +47,7 @@ def _tokens(chunks) -> list[int]:
 @pytest.mark.parametrize("policy", POLICIES, ids=lambda p: f"{p['drafter']}-k{p['num_draft_tokens']}")
 def test_greedy_equals_target_alone(client, reference, policy):
     drafted = 0
-    for prompt in PROMPTS:
-        response = client.generate(messages=[("user", prompt)], max_new_tokens=MAX_NEW_TOKENS, **policy)
+    for prompt, response in in_pairs(client, PROMPTS, **policy):
         assert list(response.token_ids) == reference(prompt), prompt
         stats = response.speculation_stats
         assert stats.enabled and stats.adaptive == (policy["num_draft_tokens"] == 0) and not stats.fell_back

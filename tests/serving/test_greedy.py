@@ -6,7 +6,8 @@ import pytest
 
 from splitspec.api.v1 import splitspec_pb2 as pb
 from tests.serving.conftest import (
-    MAX_NEW_TOKENS, PROMPTS, assert_second_token_follows_the_target, handle, local_prefills, make_config, serving,
+    MAX_NEW_TOKENS, PROMPTS, assert_second_token_follows_the_target, handle, in_pairs, local_prefills, make_config,
+    serving,
 )
 
 pytestmark = pytest.mark.slow
@@ -33,8 +34,7 @@ def client():
 @pytest.mark.parametrize("policy", POLICIES, ids=policy_id)
 def test_greedy_equals_target_alone(client, reference, policy):
     hits = 0
-    for prompt in PROMPTS:
-        response = client.generate(messages=[("user", prompt)], max_new_tokens=MAX_NEW_TOKENS, **policy)
+    for prompt, response in in_pairs(client, PROMPTS, **policy):
         assert list(response.token_ids) == reference(prompt), prompt
         stats = response.speculation_stats
         assert stats.enabled == policy["speculate"]
