@@ -102,13 +102,14 @@ class OpenAIRoutes:
             body = protocol.parse_body(protocol.ChatCompletionRequest if chat else protocol.CompletionRequest,
                                        await _body(request, self.config.limits.max_request_bytes))
             self._check_model(body.model)
-            message = protocol.generate_request(body, request.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex)
+            calls = protocol.tool_plan(body) if chat else None
+            message = protocol.generate_request(body, request.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex, calls)
             plan = await self.plan(message)
             options = body.stream_options or protocol.StreamOptions()
             completion = protocol.Completion(chat, plan, self.model_id, include_usage=options.include_usage,
                                              continuous_usage=options.include_usage and options.continuous_usage_stats,
                                              tokenizer=self.tokenizer,
-                                             tool_plan=protocol.tool_plan(body) if chat else None)
+                                             tool_plan=calls)
             if body.stream:
                 steps = self.text_steps(plan, timer, deadline)
                 first = await anext(steps)  # prefill's token: what fails up to here still gets its HTTP status

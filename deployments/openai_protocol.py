@@ -174,8 +174,9 @@ def json_schema_of(response_format: dict[str, Any] | None) -> str:
     raise InvalidRequestError(f"response_format.type must be text, json_object or json_schema, got {kind!r}")
 
 
-def generate_request(body: _Sampling, request_id: str) -> pb.GenerateRequest:
-    """The splitspec.v1 request of a chat or completion body (validated further by ``api.parse``)."""
+def generate_request(body: _Sampling, request_id: str, calls: tools.ToolPlan | None = None) -> pb.GenerateRequest:
+    """The splitspec.v1 request of a chat or completion body (validated further by ``api.parse``); ``calls``: the chat
+    body's ``tool_plan``, where the caller has it already."""
     request = pb.GenerateRequest(
         request_id=request_id,
         temperature=DEFAULT_TEMPERATURE if body.temperature is None else body.temperature,
@@ -187,7 +188,7 @@ def generate_request(body: _Sampling, request_id: str) -> pb.GenerateRequest:
     if body.seed is not None:
         request.seed = body.seed
     if isinstance(body, ChatCompletionRequest):
-        calls = tool_plan(body)
+        calls = calls or tool_plan(body)
         messages = [{"role": m.role, "content": _text(m), "tool_calls": m.tool_calls} for m in body.messages]
         request.messages.extend(pb.ChatMessage(role=_role(role), content=content)
                                 for role, content in tools.render_messages(messages, calls))
