@@ -7,11 +7,11 @@ from splitspec.bench.grpc import add_drafting_ideal
 
 
 def _report():
-    policy = lambda tok_s, ideal, tokens, steps, drafted: {  # noqa: E731
-        "tok_s": tok_s, "ideal_tok_s": ideal, "tokens": tokens, "steps": steps, "drafted": drafted}
-    return {"policies": {"off": policy(40.0, 40.0, 512, 0, 0), "eagle k=2": policy(60.0, 72.0, 512, 270, 1080),
-                         "server default": policy(58.0, 70.0, 512, 280, 900),
-                         "prompt_lookup k=3": policy(30.0, 45.0, 512, 400, 300)}}
+    policy = lambda tok_s, ideal, tokens, steps, drafted, drafter: {  # noqa: E731
+        "tok_s": tok_s, "ideal_tok_s": ideal, "tokens": tokens, "steps": steps, "drafted": drafted, "drafter": drafter}
+    return {"policies": {"off": policy(40.0, 40.0, 512, 0, 0, None), "eagle k=2": policy(60.0, 72.0, 512, 270, 1080, "eagle"),
+                         "server default": policy(58.0, 70.0, 512, 280, 900, "eagle"),
+                         "prompt_lookup k=3": policy(30.0, 45.0, 512, 400, 300, "prompt_lookup")}}
 
 
 def test_drafting_is_charged_at_the_fastest_cost_per_chain_token():

@@ -71,7 +71,7 @@ def prompts_of(prompt_set: str) -> list[str]:
 
 def _totals() -> dict:
     return {"tokens": 0, "seconds": 0.0, "drafted": 0, "accepted": 0, "steps": 0, "pre_drafts": 0, "hits": 0,
-            "ttft_ms": [], "prompts": 0}
+            "ttft_ms": [], "prompts": 0, "drafter": ""}
 
 
 def _add(t: dict, response, elapsed: float) -> None:
@@ -85,6 +85,7 @@ def _add(t: dict, response, elapsed: float) -> None:
     t["hits"] += s.pre_draft_hits
     t["ttft_ms"].append(response.timings.ttft_ms)
     t["prompts"] += 1
+    t["drafter"] = s.drafter or t["drafter"]  # (what the server drafted with: the server default's, too)
 
 
 def _tok_s(t: dict | None) -> float:
@@ -103,7 +104,7 @@ def _summary(t: dict, off_tok_s: float) -> dict:
         "ideal_tok_s": round(ideal, 2),
         "fraction_of_ideal": round(tok_s / ideal, 3) if ideal else None,
         "median_ttft_ms": round(sorted(t["ttft_ms"])[len(t["ttft_ms"]) // 2], 1) if t["ttft_ms"] else None,
-        "tokens": t["tokens"], "steps": t["steps"], "drafted": t["drafted"],
+        "tokens": t["tokens"], "steps": t["steps"], "drafted": t["drafted"], "drafter": t["drafter"] or None,
     }
 
 
@@ -180,9 +181,8 @@ def add_drafting_ideal(report: dict, state: dict, tree_width: int) -> None:
         for drafter, learned in place.items():
             for k, ms in (learned.get("min_propose_ms") or {}).items() if isinstance(learned, dict) else ():
                 per_token_s[drafter] = min(per_token_s.get(drafter, float("inf")), ms / 1000 / int(k))
-    default = next((d for d in ("hybrid", "eagle", "model") if d in per_token_s), None)  # the server default's drafter
-    for name, r in report["policies"].items():
-        drafter = POLICIES.get(name, {}).get("drafter", default)
+    for r in report["policies"].values():
+        drafter = r.get("drafter")  # (the one the server drafted with)
         if not r["drafted"] or drafter not in per_token_s:
             continue
         seconds = r["tokens"] / r["ideal_tok_s"] + r["drafted"] / tree_width * per_token_s[drafter]
