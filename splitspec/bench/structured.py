@@ -145,11 +145,12 @@ def neighbours(client, prompts: list[str], schema: dict, *, plain: int = 3, requ
     for _ in range(rounds):
         for kind in ("plain", "constrained"):
             done = threading.Event()
-            extra = {"json_schema": json.dumps(schema)} if kind == "constrained" else {"max_new_tokens": length}
+            asks = (dict(json_schema=json.dumps(schema), max_new_tokens=max_new_tokens) if kind == "constrained"
+                    else dict(max_new_tokens=length))
 
-            def neighbour(extra=extra, done=done):
+            def neighbour(asks=asks, done=done):
                 while not done.is_set():
-                    for _ in client.stream(messages=question, **{"max_new_tokens": max_new_tokens, **extra}):
+                    for _ in client.stream(messages=question, **asks):
                         pass
 
             thread = threading.Thread(target=neighbour, daemon=True)
