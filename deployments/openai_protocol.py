@@ -188,7 +188,7 @@ def generate_request(body: _Sampling, request_id: str, calls: tools.ToolPlan | N
     if body.seed is not None:
         request.seed = body.seed
     if isinstance(body, ChatCompletionRequest):
-        calls = calls or tool_plan(body)
+        calls = tool_plan(body) if calls is None else calls
         messages = [{"role": m.role, "content": _text(m), "tool_calls": m.tool_calls} for m in body.messages]
         request.messages.extend(pb.ChatMessage(role=_role(role), content=content)
                                 for role, content in tools.render_messages(messages, calls))
