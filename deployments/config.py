@@ -6,6 +6,7 @@ description, cross-field checks live in one validator.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -218,6 +219,43 @@ class Models(_Strict):
         default_factory=list, description="Python modules that register more drafter kinds (services.drafters."
         "register), imported by every replica, e.g. ['mypackage.drafters']",
     )
+    chat_template: str = Field(
+        "", description="a Jinja chat template replacing the target tokenizer's (as vLLM's --chat-template): the "
+        "template, or a file holding it (read when the config is loaded, so the text travels with the config to every "
+        "node); empty = the tokenizer's own",
+    )
+    tool_call_parser: str = Field(
+        "auto", description="how the model writes tool calls (deployments.tool_parsers: hermes, llama3_json): auto = "
+        "the chat template's own tool format where it renders tools in one splitspec knows, else the documented "
+        "prompt format (docs/api.md, \"Tool calls\"); a parser's name = the template with that parser",
+    )
+
+    @field_validator("chat_template")
+    @classmethod
+    def _template_text(cls, value: str) -> str:
+        """A file's template is read; the text must parse as Jinja."""
+        if value and "{" not in value:
+            path = Path(value).expanduser()
+            if not path.is_file():
+                raise ValueError(f"chat_template {value!r} is neither a Jinja template nor a file")
+            value = path.read_text(encoding="utf-8")
+        if value:
+            import jinja2
+
+            try:
+                jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(value)
+            except jinja2.TemplateSyntaxError as exc:
+                raise ValueError(f"chat_template is no valid Jinja: {exc.message} (line {exc.lineno})") from None
+        return value
+
+    @field_validator("tool_call_parser")
+    @classmethod
+    def _known_parser(cls, value: str) -> str:
+        from deployments.tool_parsers import PARSERS
+
+        if value != "auto" and value not in PARSERS:
+            raise ValueError(f"tool_call_parser must be auto or one of {list(PARSERS)}, got {value!r}")
+        return value
 
 
 class Stages(_Strict):

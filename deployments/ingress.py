@@ -23,7 +23,7 @@ from grpc_health.v1 import health_pb2
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from deployments import api, auth, calls
+from deployments import api, auth, calls, tools
 from deployments.config import INGRESS, AppConfig
 from deployments.decoding import Decoder
 from deployments.metrics import RequestMetrics
@@ -58,6 +58,9 @@ class SpecDecodeIngress(OpenAIRoutes):
         self.created = int(time.time())
         self.max_context = self.target.max_context
         self.tokenizer = self.target.tokenizer
+        if self.config.models.chat_template:
+            self.tokenizer.chat_template = self.config.models.chat_template
+        self.tool_format = tools.server_format(self.tokenizer.chat_template, self.config.models.tool_call_parser)
         # structured outputs' schemas are compiled here first, so that a bad one is refused before any stage works
         self.grammars = Grammars(self.tokenizer, vocab_size=self.target.vocab_size, eos_token_ids=self.target.eos_token_ids)
         check_tokenizers(self.target, draft_dir)
@@ -169,6 +172,11 @@ class SpecDecodeIngress(OpenAIRoutes):
     async def plan(self, request: pb.GenerateRequest | pb.GenerateStreamRequest) -> api.Plan:
         """The validated plan of a request (tokenised off the event loop, on the one tokenising thread)."""
         return await asyncio.get_running_loop().run_in_executor(self._tokenizing, self._parse, request)
+
+    async def render_chat(self, messages: list[dict], tool_plan: tools.ToolPlan) -> str:
+        """A chat's prompt text through the model's own tool template (on the tokenising thread)."""
+        return await asyncio.get_running_loop().run_in_executor(
+            self._tokenizing, tools.render_prompt, self.tokenizer, messages, tool_plan)
 
     def text_steps(self, plan: api.Plan, timer: api.Timer, deadline: float) -> AsyncIterator[tuple[StepOutput, list[int], str]]:
         """Each step's kept tokens and new text, cut at the first stop sequence (and its ``logprobs``, where the

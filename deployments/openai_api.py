@@ -23,7 +23,7 @@ from typing import Protocol
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from deployments import api
+from deployments import api, tools
 from deployments import openai_protocol as protocol
 from deployments.config import AppConfig
 from deployments.metrics import RequestMetrics
@@ -46,8 +46,11 @@ class Ingress(Protocol):
     created: int  # when it was started (unix seconds)
     max_context: int  # the target's context window
     tokenizer: object  # the target's: the token texts of logprobs
+    tool_format: tools.ToolFormat  # how tools go into prompts and calls come out of answers
 
     def authenticate(self, metadata) -> None: ...
+
+    async def render_chat(self, messages: list[dict], tool_plan: tools.ToolPlan) -> str: ...
 
     async def plan(self, request) -> api.Plan: ...
 
@@ -102,8 +105,13 @@ class OpenAIRoutes:
             body = protocol.parse_body(protocol.ChatCompletionRequest if chat else protocol.CompletionRequest,
                                        await _body(request, self.config.limits.max_request_bytes))
             self._check_model(body.model)
-            calls = protocol.tool_plan(body) if chat else None
-            message = protocol.generate_request(body, request.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex, calls)
+            calls, prompt = None, None
+            if chat:
+                calls, messages = protocol.tool_plan(body, self.tool_format.parser), protocol.chat_messages(body)
+                if tools.uses_template(self.tool_format, messages, calls):
+                    prompt = await self.render_chat(messages, calls)
+            message = protocol.generate_request(body, request.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex, calls,
+                                                prompt)
             plan = await self.plan(message)
             options = body.stream_options or protocol.StreamOptions()
             completion = protocol.Completion(chat, plan, self.model_id, include_usage=options.include_usage,

@@ -174,9 +174,11 @@ def json_schema_of(response_format: dict[str, Any] | None) -> str:
     raise InvalidRequestError(f"response_format.type must be text, json_object or json_schema, got {kind!r}")
 
 
-def generate_request(body: _Sampling, request_id: str, calls: tools.ToolPlan | None = None) -> pb.GenerateRequest:
+def generate_request(body: _Sampling, request_id: str, calls: tools.ToolPlan | None = None,
+                     prompt: str | None = None) -> pb.GenerateRequest:
     """The splitspec.v1 request of a chat or completion body (validated further by ``api.parse``); ``calls``: the chat
-    body's ``tool_plan``, where the caller has it already."""
+    body's ``tool_plan``, where the caller has it already; ``prompt``: the chat's prompt text where the model's own
+    template rendered it (tools.render_prompt), else its messages go as chat turns."""
     request = pb.GenerateRequest(
         request_id=request_id,
         temperature=DEFAULT_TEMPERATURE if body.temperature is None else body.temperature,
@@ -189,9 +191,11 @@ def generate_request(body: _Sampling, request_id: str, calls: tools.ToolPlan | N
         request.seed = body.seed
     if isinstance(body, ChatCompletionRequest):
         calls = tool_plan(body) if calls is None else calls
-        messages = [{"role": m.role, "content": _text(m), "tool_calls": m.tool_calls} for m in body.messages]
-        request.messages.extend(pb.ChatMessage(role=_role(role), content=content)
-                                for role, content in tools.render_messages(messages, calls))
+        if prompt is not None:
+            request.prompt = prompt
+        else:
+            request.messages.extend(pb.ChatMessage(role=_role(role), content=content)
+                                    for role, content in tools.render_messages(chat_messages(body), calls))
         max_tokens = body.max_completion_tokens or body.max_tokens
         request.logprobs, request.top_logprobs = bool(body.logprobs), body.top_logprobs or 0
         request.json_schema = json_schema_of(body.response_format)
@@ -216,9 +220,19 @@ def generate_request(body: _Sampling, request_id: str, calls: tools.ToolPlan | N
     return request
 
 
-def tool_plan(body: ChatCompletionRequest) -> tools.ToolPlan:
-    """What the body's tools ask of the answer (deployments.tools)."""
-    return tools.plan(body.tools, body.tool_choice, body.parallel_tool_calls)
+def tool_plan(body: ChatCompletionRequest, parser: tools.ToolParser = tools.HERMES) -> tools.ToolPlan:
+    """What the body's tools ask of the answer (deployments.tools), its auto answers read by ``parser``."""
+    return tools.plan(body.tools, body.tool_choice, body.parallel_tool_calls, parser)
+
+
+def chat_messages(body: ChatCompletionRequest) -> list[dict]:
+    """The body's messages as dicts (text content; an assistant's tool calls, a tool message's call id); a role
+    other than the API's is refused."""
+    for m in body.messages:
+        if m.role != "tool":
+            _role(m.role)
+    return [{"role": m.role, "content": _text(m), "tool_calls": m.tool_calls, "tool_call_id": m.tool_call_id}
+            for m in body.messages]
 
 
 def _role(role: str) -> str:
