@@ -22,7 +22,7 @@ from services.drafters import HYBRID_DRAFTER, DrafterKind, DraftProposal, regist
 from services.eagle_draft import EagleDraftSession
 from services.eagle_draft import start as start_eagle
 from services.prompt_lookup import find_candidates
-from services.tree import chain_parents, tree_rows
+from services.tree import chain_length, chain_parents, tree_rows
 
 MIN_LOOKUP = 2  # a lookup proposal needs at least this many tokens; shorter matches leave the step to the head
 
@@ -46,8 +46,10 @@ class HybridSession:
             self.eagle.proposal = list(forced) + lookup
             return DraftProposal(lookup, None)
         head = yield from self.eagle.propose_steps(k, forced, width)
-        self.eagle.proposal = list(forced) + lookup  # the tree's chain: what the verdict's first accept counts
         token_ids, parents = merged_tree(lookup, head.token_ids, head.parents or chain_parents(len(head.token_ids)))
+        # the tree's chain, what the verdict's first accept counts: the lookup, and the head's nodes after its last
+        # token where the head agreed with all of it (a lookup shorter than k: the match was near the context's end)
+        self.eagle.proposal = list(forced) + token_ids[: chain_length(parents)]
         return DraftProposal(token_ids, None, parents=parents)
 
     def pre_draft_steps(self, k: int, forced: Sequence[int], guesses: int):

@@ -5,11 +5,14 @@ drafting after them (its features of the accepted lookup tokens come with the ve
 import pytest
 
 from services import drafters
+from services.constraint import DraftGrammar
 from services.draft import DraftEngine
-from services.hybrid_draft import merged_tree
+from services.drafters import DraftProposal, check_accept, drive
+from services.hybrid_draft import HybridSession, merged_tree
 from services.loop import generate
 from services.prefill import PrefillEngine
 from services.sampling import SamplingParams
+from services.tree import chain_length
 from services.verify import VerifyEngine
 from tests.conftest import greedy_reference
 from tests.services.test_eagle_drafter import random_head
@@ -77,3 +80,31 @@ def test_greedy_merged_trees_equal_target_alone(tiny, engines, width):
         result = generate(prefill, draft, verify, prompt, max_new_tokens=NEW_TOKENS, num_draft_tokens=3,
                           params=SamplingParams(), drafter="hybrid", tree_width=width)
         assert result.token_ids == greedy_reference(target.model, prompt, NEW_TOKENS), f"prompt {prompt}"
+
+
+class _AgreeingHead:
+    """An EAGLE session's stand-in whose greedy chain is fixed: it agrees with a short lookup and goes on after it."""
+
+    def __init__(self, tokens, chain):
+        self.tokens, self.chain, self.proposal = list(tokens), chain, []
+        self.params, self.grammar = SamplingParams(), DraftGrammar(None)
+
+    def propose_steps(self, k, forced=(), width=1):
+        self.proposal = list(forced) + self.chain
+        return DraftProposal(list(self.chain), None)
+        yield  # noqa: unreachable - a generator, as the protocol's steps are
+
+    def accept(self, n_matches, next_token, features=None):
+        self.tokens += check_accept(self.proposal, n_matches) + [next_token]
+
+
+def test_a_lookup_shorter_than_k_that_the_head_continues_is_accepted_whole():
+    """The context's latest match is 2 tokens before its end: the lookup has 2 tokens for k = 3, the head agrees with
+    them and drafts a third. The merged tree's chain is the 3 tokens; a verdict that accepts all of them is taken
+    (it was refused: the session counted only the lookup's 2 as its proposal)."""
+    tokens = [1, 30, 31, 30, 31, 30, 31]  # "31 30 31" last occurred at 2: what followed it is [30, 31]
+    session = HybridSession(_AgreeingHead(tokens, [30, 31, 40]))
+    proposal = drive(session.propose_steps(3), lambda _: None)
+    assert proposal.token_ids == [30, 31, 40] and chain_length(proposal.parents) == 3
+    session.accept(3, 41)
+    assert session.eagle.tokens == tokens + [30, 31, 40, 41]
