@@ -58,8 +58,8 @@ class LocalDrafting:
 
     async def propose_and_verify(self, p: Propose):
         """The proposal and the verification of its drafts in one call of the batched passes (ChainedResult)."""
-        call = ProposeCall(self.session_id, p.k, list(p.forced), p.guesses, list(p.accepts), p.width)
-        return await self.replica.batcher.submit(ChainedCall(call, self.kind.verify_rows(p.k, p.width)))
+        call = ProposeCall(self.session_id, p.k, list(p.forced), p.guesses, list(p.accepts), p.width, p.jump)
+        return await self.replica.batcher.submit(ChainedCall(call, self.kind.verify_rows(p.k, p.width) + p.jump))
 
     def close(self) -> None:
         if self.open:  # (on the engine thread: after a start still running there)
@@ -101,7 +101,8 @@ class RemoteDrafting:
         await self.draft.options(session_id=pin(opened.replica_id)).close.remote(session_id)
 
     async def propose(self, p: Propose) -> DraftProposal:
-        return await self._call(self.session.propose.remote(self.session_id, p.k, p.accepts, p.forced, p.guesses, p.width))
+        return await self._call(self.session.propose.remote(self.session_id, p.k, p.accepts, p.forced, p.guesses, p.width,
+                                                            p.jump))
 
     async def answers(self) -> bool:
         """Whether a draft replica answers a call, asking until ``timeout_s`` (a lost replica's replacement)."""

@@ -324,12 +324,13 @@ class Draft(_Stage):
         return SessionOpened(*_identity())
 
     async def propose(self, request_id: str, k: int, accepts: tuple | list = (), forced: tuple | list = (),
-                      guesses: int = 0, width: int = 1) -> DraftProposal:
+                      guesses: int = 0, width: int = 1, jump: int = 0) -> DraftProposal:
         """Accept the verdicts since the last proposal (each ``(n_matches, next_token, features)``), then draft k tokens
         after ``forced`` ones — with ``guesses``, a block of k per likely verdict on them (the block the verifier is
-        checking meanwhile: pre-drafting, services.loop)."""
+        checking meanwhile: pre-drafting, services.loop); ``jump``: at most this many tokens a constrained request's
+        grammar forces after the chain follow it (services.draft.jump_forward)."""
         await self.faults.point("propose")
-        return await self.batcher.submit(ProposeCall(request_id, k, list(forced), guesses, list(accepts), width))
+        return await self.batcher.submit(ProposeCall(request_id, k, list(forced), guesses, list(accepts), width, jump))
 
     async def _propose_pass(self, calls: list[ProposeCall]) -> list:
         start = time.perf_counter()

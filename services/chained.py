@@ -35,7 +35,7 @@ class ChainedCall:
     @property
     def rows(self) -> int:
         """Rows it adds to the target pass at most: its pending token and its drafts (a tree's included)."""
-        return self.verify_rows or tree_rows(self.propose.k, self.propose.width)
+        return self.verify_rows or tree_rows(self.propose.k, self.propose.width) + self.propose.jump
 
 
 @dataclass(frozen=True)

@@ -192,6 +192,19 @@ class DraftGrammar:
         self.pop(n + len(after))
         return list(tokens[:n])
 
+    def forced_run(self, after: Sequence[int], limit: int) -> list[int]:
+        """Up to ``limit`` tokens the grammar forces after the path and ``after``, each the only token it allows
+        after the ones before (the path is the same afterwards)."""
+        if self.state is None or limit <= 0:
+            return []
+        self.push(after)
+        run = []
+        while len(run) < limit and (token := self.state.forced()) is not None:
+            run.append(token)
+            self.push([token])
+        self.pop(len(run) + len(after))
+        return run
+
     def accept(self, token_ids: Sequence[int]) -> None:
         """The verdict's tokens (accepted drafts, then the target's), from the accepted context."""
         self.unwind()

@@ -18,7 +18,7 @@ first token rejected and replaced by one of them.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -37,7 +37,7 @@ from services.prompt_lookup import find_candidates
 from services.runner import make_runner
 from services.sampling import SamplingParams, logits_to_probs, make_generator, sample
 from services.sessions import DEFAULT_MAX_KV_BYTES, DEFAULT_MAX_SESSIONS, SessionStore
-from services.tree import MAX_TREE_WIDTH, side_ids, with_sides
+from services.tree import MAX_TREE_WIDTH, chain_length, chain_parents, side_ids, with_sides
 from services.validation import MAX_DRAFT_TOKENS, validate_num_draft_tokens, validate_prompt
 
 MAX_GUESSES = 8  # verdicts pre_draft may draft a block for, per side (accepted / rejected)
@@ -62,6 +62,7 @@ class ProposeCall:
     guesses: int = 0
     accepts: Sequence[tuple] = ()  # the verdicts since the last proposal: (n_matches, next_token, features)
     width: int = 1  # > 1: a draft tree, the chain and width - 1 side nodes at its first depth (greedy only; services.tree)
+    jump: int = 0  # at most this many tokens a constrained request's grammar forces after the chain are added (jump_forward)
 
     @property
     def rows(self) -> int:
@@ -272,12 +273,13 @@ class DraftEngine:
         self.sessions.put(request_id, drafters.get(drafter).start(self, ids, params, features))
 
     def propose(self, request_id: str, k: int, forced: Sequence[int] = (), guesses: int = 0,
-                accepts: Sequence[tuple] = (), width: int = 1) -> DraftProposal:
+                accepts: Sequence[tuple] = (), width: int = 1, jump: int = 0) -> DraftProposal:
         """Draft k tokens after the accepted context, or after ``forced`` tokens that follow it (taken as drafted);
         with ``guesses``, one block of k per likely verdict on the forced tokens instead (``DraftProposal.branches``).
         ``accepts``: the verdicts since the last proposal, each ``(n_matches, next_token, features)``, accepted first.
-        ``width`` > 1: a greedy session's model or EAGLE drafter proposes a draft tree (services.tree; others a chain)."""
-        (result,) = self.propose_batch([ProposeCall(request_id, k, forced, guesses, accepts, width)])
+        ``width`` > 1: a greedy session's model or EAGLE drafter proposes a draft tree (services.tree; others a chain).
+        ``jump``: at most this many tokens a constrained request's grammar forces after the chain follow it (``jump_forward``)."""
+        (result,) = self.propose_batch([ProposeCall(request_id, k, forced, guesses, accepts, width, jump)])
         if isinstance(result, Exception):
             raise result
         return result
@@ -307,6 +309,12 @@ class DraftEngine:
             except Exception as exc:  # noqa: BLE001 - this call's error, in its slot
                 results[slot] = exc
         self._lockstep(steps, results)
+        for slot, call in enumerate(calls):
+            if call.jump and not call.guesses and isinstance(results[slot], DraftProposal):
+                try:
+                    results[slot] = jump_forward(self.sessions.get(call.request_id), results[slot], call.forced, call.jump)
+                except Exception as exc:  # noqa: BLE001 - this session's error, in its slot
+                    results[slot] = exc
         if calls:
             self.sessions.enforce_limits(keep=calls[-1].request_id)  # the pass's sessions are the most recently used
         return results
@@ -365,6 +373,34 @@ class DraftEngine:
 
     def close(self, request_id: str) -> None:
         self.sessions.pop(request_id)
+
+
+def jump_forward(session, proposal: DraftProposal, forced: Sequence[int], limit: int) -> DraftProposal:
+    """``proposal`` with up to ``limit`` more tokens after its chain: those a constrained request's grammar forces
+    there (SGLang's jump-forward decoding, as drafts). Each is the only token the grammar allows after the ones
+    before, so the target's masked distribution is certain of it: the verifier accepts it wherever it accepts the
+    chain before it, at any temperature (its q is one-hot, as the drafter's masked q would be), and it costs no
+    drafter step. The session's ``proposal`` gets them too; a session without a grammar (or an unconstrained
+    request's) proposes what it proposed."""
+    grammar = getattr(session, "grammar", None)
+    if grammar is None or grammar.state is None:
+        return proposal
+    ids, parents = list(proposal.token_ids), proposal.parents
+    n = chain_length(parents) if parents is not None else len(ids)
+    if list(session.proposal) != [*forced, *ids[:n]]:
+        raise InvalidRequestError("a proposal's chain is not the session's: its grammar's tokens cannot follow it")
+    run = grammar.forced_run([*forced, *ids[:n]], min(limit, MAX_DRAFT_TOKENS - len(ids)))
+    if not run:
+        return proposal
+    session.proposal = [*session.proposal, *run]
+    probs = proposal.probs  # [len(ids), vocab_size] a sampled chain's q, else None
+    if probs is not None:
+        one_hot = torch.zeros(len(run), probs.shape[-1], dtype=probs.dtype)  # [len(run), vocab_size]
+        one_hot[torch.arange(len(run)), torch.tensor(run)] = 1.0
+        probs = torch.cat([probs, one_hot])
+    if parents is not None:  # the side nodes after the longer chain: rows past the chain move down by len(run)
+        parents = chain_parents(n + len(run)) + [p if p <= n else p + len(run) for p in parents[n:]]
+    return replace(proposal, token_ids=[*ids[:n], *run, *ids[n:]], probs=probs, parents=parents, jumped=len(run))
 
 
 def _start_model(engine: DraftEngine, ids: list[int], params: SamplingParams, features=None) -> ModelDraftSession:

@@ -54,6 +54,7 @@ class DraftProposal:
     branches: list[Branch] = field(default_factory=list)  # pre_draft's, most likely verdict first
     parents: list[int] | None = None  # the tokens as a draft tree (services.tree): the chain, then side nodes
     draft_s: float = 0.0  # seconds of the drafter's pass that drafted it, where it drafts (a timeline's "draft")
+    jumped: int = 0  # tokens at the chain's end that the request's grammar forced (services.draft.jump_forward)
 
 
 def default_kind(available: Sequence[str]) -> str:
@@ -101,7 +102,10 @@ class DraftSession(Protocol):
     """One sequence's drafter. The steps are generators: each may yield a batched request (``eagle.Rows``,
     ``draft.Forward``) that the engine answers for all sessions in one pass, and returns the ``DraftProposal``.
     A constrained request's session (``SamplingParams.constraint``) proposes only what its grammar allows: it keeps
-    ``engine.draft_grammar(params)`` (services.constraint.DraftGrammar) along its path and masks q with it."""
+    ``engine.draft_grammar(params)`` (services.constraint.DraftGrammar) along its path and masks q with it. A
+    session that keeps it as ``grammar``, and its last proposal's chain as ``proposal`` (the forced tokens, then the
+    chain: what ``accept`` takes the accepted tokens from), gets the tokens the grammar forces after its chain added
+    for free (services.draft.jump_forward)."""
 
     @property
     def nbytes(self) -> int: ...  # bytes it holds (the engine's limits count them)

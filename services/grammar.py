@@ -165,6 +165,20 @@ class GrammarState:
         """The allowed next tokens as bools [vocab_size]."""
         return unpack_bitmask(self.bitmask(), self.compiler.vocab_size)
 
+    def forced(self) -> int | None:
+        """The one token the grammar allows next, where it allows exactly one (bytes the grammar forces: the mask then
+        holds only their canonical first token); None where it allows several, or none."""
+        if self._eos_at is not None:
+            return None
+        bitmask = self.bitmask()  # [words]
+        words = torch.nonzero(bitmask).flatten()
+        if words.numel() != 1:
+            return None
+        word = int(bitmask[words[0]]) & 0xFFFFFFFF
+        if word & (word - 1):  # more than one bit
+            return None
+        return int(words[0]) * BITS + word.bit_length() - 1
+
     def accepts(self, token: int) -> bool:
         """Whether the mask allows ``token`` next (what the target and the drafter may sample)."""
         if not 0 <= token < self.compiler.vocab_size:

@@ -36,6 +36,18 @@ class HybridSession:
     def nbytes(self) -> int:
         return self.eagle.nbytes
 
+    @property
+    def grammar(self):  # (the head's session keeps the grammar and the proposal: services.draft.jump_forward)
+        return self.eagle.grammar
+
+    @property
+    def proposal(self) -> list[int]:
+        return self.eagle.proposal
+
+    @proposal.setter
+    def proposal(self, tokens: list[int]) -> None:
+        self.eagle.proposal = tokens
+
     def propose_steps(self, k: int, forced: Sequence[int] = (), width: int = 1):
         # (a constrained request's lookup stops before the first token its grammar forbids)
         lookup = self.eagle.grammar.allowed_prefix(find_candidates(self.eagle.tokens + list(forced), k), after=forced)

@@ -50,6 +50,10 @@ from services.tree import chain_length
 from services.validation import validate_max_new_tokens, validate_num_draft_tokens, validate_prompt
 from services.verify import VerifyEngine, VerifyResult
 
+# tokens a constrained request's grammar forces after a step's drafts that the step adds (services.draft.jump_forward): the
+# forced runs of JSON answers are 1-7 tokens (keys, separators)
+MAX_JUMP = 8
+
 FINISH_STOP = "stop"  # an end-of-sequence token was generated
 FINISH_LENGTH = "length"  # max_new_tokens reached
 
@@ -142,6 +146,7 @@ class Propose:
     forced: list[int] = field(default_factory=list)
     guesses: int = 0  # > 0: pre-draft, a block of k per likely verdict on ``forced`` (DraftProposal.branches)
     width: int = 1  # > 1: a draft tree of k levels, ``width`` candidates each (services.tree)
+    jump: int = 0  # at most this many tokens a constrained request's grammar forces after the chain follow it
 
 
 @dataclass
@@ -233,7 +238,7 @@ class SpeculativeLoop:
             if self.costs is not None and calls_s is not None:  # the last step's wall time beyond its stage calls
                 self.costs.observe_overhead(now - step_start - calls_s)
             step_start, calls_s = now, 0.0
-            pre_draft, verified = None, False
+            pre_draft, verified, jumped = None, False, 0
             if self.drafting and self.overlap:
                 block, block_probs = block[: remaining - 1], block_probs[: remaining - 1] if block_probs is not None else None
                 if remaining > 1:  # (at 1, this step's token is the last)
@@ -246,7 +251,9 @@ class SpeculativeLoop:
                 block, block_probs, parents = [], None, None
                 if k > 0:
                     verified = self.chained
-                    results = yield Calls(propose=Propose(k, accepts, width=self.tree_width), verify_proposal=verified)
+                    jump = min(MAX_JUMP, remaining - 1 - k)  # (no row past max_new_tokens)
+                    results = yield Calls(propose=Propose(k, accepts, width=self.tree_width, jump=jump),
+                                          verify_proposal=verified)
                     calls_s += results.propose_s
                     if results.draft_failed:
                         self.drafting = False
@@ -254,7 +261,7 @@ class SpeculativeLoop:
                         if caught_up and self.costs is not None:  # otherwise the call also caught the drafter up
                             self.costs.observe_propose(k, results.propose_s)
                         block, block_probs = results.proposal.token_ids, results.proposal.probs
-                        parents = results.proposal.parents
+                        parents, jumped = results.proposal.parents, results.proposal.jumped
                         accepts = []
                 caught_up = k > 0
             if not verified:
@@ -264,8 +271,8 @@ class SpeculativeLoop:
             chain = len(block) if parents is None else chain_length(parents)  # the block's depth
             if self.costs is not None:
                 self.costs.observe_verify(len(block) + 1, results.verify_s)
-            if self.policy is not None:
-                self.policy.observe(chain, verdict.n_matches)
+            if self.policy is not None:  # (the drafter's own tokens: its acceptance, not the grammar's certainty)
+                self.policy.observe(chain - jumped, min(verdict.n_matches, chain - jumped))
             if results.draft_failed:
                 self.drafting = False
             if self.drafting:  # the drafter catches up with this verdict at its next proposal
@@ -415,7 +422,7 @@ def _execute(calls: Calls, draft: DraftEngine, verify: VerifyEngine, request_id:
     def propose():
         start = time.perf_counter()
         p = calls.propose
-        results.proposal = draft.propose(request_id, p.k, p.forced, p.guesses, p.accepts, p.width)
+        results.proposal = draft.propose(request_id, p.k, p.forced, p.guesses, p.accepts, p.width, p.jump)
         results.propose_s = time.perf_counter() - start
 
     drafting = None

@@ -230,3 +230,38 @@ def test_masked_argmax_is_the_argmax_of_the_masked_logits(default_pair):
     got = masked_argmax(ids, allowed, features, runner.head_logits)
     assert torch.equal(got, logits.masked_fill(~allowed, float("-inf")).argmax(-1))
     assert not torch.equal(got, ids)  # (the forbidden rows took another id)
+
+
+@pytest.mark.parametrize("drafter", ["model", "eagle", "hybrid", "prompt_lookup"])
+@pytest.mark.parametrize("params", [{}, {"temperature": 1.0, "seed": 5}], ids=["greedy", "sampled"])
+def test_the_tokens_the_grammar_forces_follow_the_chain_and_are_accepted(default_pair, engines, drafter, params):
+    """After ``{"`` the schema forces ``name":``: a proposal of one token (the drafter's own) goes on with the tokens
+    the grammar forces after it, each the only one its mask allows, free (jump_forward); the verifier accepts every
+    one of them, greedy and sampled (the masked target is certain of each; their q is one-hot)."""
+    target, _ = default_pair
+    prefill, draft, verify = engines
+    prompt, params = chat(target.tokenizer, QUESTIONS[0]), constrained(SCHEMAS[0], **params)
+    prefilled = prefill.prefill(prompt, params, features=True)
+    first = prefilled.first_token
+    verify.open("j", prefilled.payload, first, params, features=True)
+    draft.start("j", prompt, params, drafter, prefilled.features)
+    draft.accept("j", 0, first)
+    proposal = draft.propose("j", 1, jump=8)
+    state = Grammars.of(target).start(params.constraint)
+    state.advance(first)
+    chain = len(proposal.token_ids) - proposal.jumped  # the drafter's own: at most 1 (prompt lookup: none)
+    state.advance_many(proposal.token_ids[:chain])
+    for token in proposal.token_ids[chain:]:  # each the one token the grammar allows after the ones before
+        assert state.forced() == token
+        state.advance(token)
+    assert proposal.jumped >= 1 and chain <= 1
+    assert target.tokenizer.decode([first, *proposal.token_ids]) == '{"name":'  # (then ' "' may begin ' "Jo...')
+    if proposal.probs is not None:  # a sampled chain's q: one-hot rows for the forced tokens
+        assert proposal.probs.shape[0] == len(proposal.token_ids)
+        assert torch.equal(proposal.probs[chain:].argmax(-1), torch.tensor(proposal.token_ids[chain:]))
+        assert torch.equal(proposal.probs[chain:].sum(-1), torch.ones(proposal.jumped))
+    verdict = verify.verify("j", proposal.token_ids, proposal.probs)
+    assert verdict.n_matches == len(proposal.token_ids)  # every position here is forced: each draft is accepted
+    draft.accept("j", verdict.n_matches, verdict.token_ids[-1], verdict.features)
+    verify.close("j")
+    draft.close("j")
