@@ -71,11 +71,13 @@ _shared: dict = {"cluster": None}  # the one-node cluster that modules serving o
 
 def shared_cluster():
     """The session's one-node local cluster (no dashboard), started on first use: a module that serves on it
-    starts Serve and its app, and stops only Serve when it ends (Ray's start and stop are seconds a module)."""
+    starts Serve and its app, and stops only Serve when it ends (Ray's start and stop are seconds a module). Its node
+    declares one GPU that no device backs (no test's stage asks for one but test_gpu_serve_check's, which deploys a
+    cuda stage where torch sees no GPU)."""
     from splitspec import cluster
 
     if _shared["cluster"] is None:
-        _shared["cluster"] = cluster.LocalCluster(nodes=1, dashboard=False, log_to_driver=False).start()
+        _shared["cluster"] = cluster.LocalCluster(nodes=1, dashboard=False, log_to_driver=False, gpus=1).start()
     return _shared["cluster"]
 
 
@@ -87,12 +89,14 @@ def stop_shared_cluster() -> None:
 
 
 @contextlib.contextmanager
-def serving(config: AppConfig, *, nodes: int = 1, dashboard: bool = False, direct_ingress: bool | None = None):
+def serving(config: AppConfig, *, nodes: int = 1, dashboard: bool = False, direct_ingress: bool | None = None,
+            token: str | None = None):
     """Deploy ``config`` pinned for a local cluster of ``nodes`` nodes, yield a gRPC client (its ``http_base_url`` is
     the OpenAI-compatible API's, http://127.0.0.1:<port>/v1). One node without a dashboard: on the shared cluster
     (``shared_cluster``), Serve stopped at the end; else a cluster of its own. ``direct_ingress``: the ingress replica
     serves the ports, as `splitspec serve` runs it (default: where it does, one ingress replica); False: through
-    Serve's proxy (a test that deploys more applications beside it)."""
+    Serve's proxy (a test that deploys more applications beside it). ``token``: the client's bearer token (the
+    config's auth)."""
     from ray import serve as ray_serve
 
     from splitspec import cluster
@@ -106,7 +110,7 @@ def serving(config: AppConfig, *, nodes: int = 1, dashboard: bool = False, direc
         shared_cluster()
     try:
         cluster.serve_local(config, nodes, port, http_port, direct_ingress=direct_ingress)
-        with SpecDecodeClient(f"127.0.0.1:{port}", timeout_s=300) as client:
+        with SpecDecodeClient(f"127.0.0.1:{port}", timeout_s=300, token=token) as client:
             client.http_base_url = f"http://127.0.0.1:{http_port}/v1"
             yield client
     finally:

@@ -57,16 +57,17 @@ def test_the_one_gpu_graph_serves_on_the_cpu(tmp_path, capsys):
 def test_a_cuda_stage_where_torch_sees_no_gpu_fails_the_deploy_naming_stage_and_node():
     """Ray is told the node has a GPU (it places the replica), torch in the replica sees none: the deploy fails with
     the replica's error, which names the stage and the node, instead of serving on the CPU or hanging."""
+    from ray import serve
+
     from splitspec import cluster
-    from tests.serving.conftest import make_config, stop_shared_cluster
+    from tests.serving.conftest import make_config, shared_cluster
 
     config = make_config(stages={"verify": {"device": "cuda", "placement": {"num_gpus": 0.3}}})
-    stop_shared_cluster()
-    local = cluster.LocalCluster(gpus=1, dashboard=False, log_to_driver=False).start()
+    shared_cluster()  # (its node declares a GPU)
     try:
         with pytest.raises(cluster.DeployError, match="failed to deploy") as failed:
             cluster.serve_local(config, 1, free_port(), free_port())
     finally:
-        local.stop()
+        serve.shutdown()
     assert "Verify: " in str(failed.value) and "stage 'verify', node " in str(failed.value)
     assert "torch sees no CUDA GPU" in str(failed.value)

@@ -1,7 +1,9 @@
 """The OpenAI-compatible HTTP API, through the real `openai` client and Serve's HTTP proxy: greedy chat equals the gRPC
 answer and the target alone, streamed deltas concatenate to the whole answer, usage counts match, logprobs under
 speculation equal speculation off's (and gRPC's), structured outputs are schema-valid JSON and the same with
-speculation on and off, bad input is a 400 in OpenAI's error JSON, and the service goes on serving."""
+speculation on and off, bad input is a 400 in OpenAI's error JSON, and the service goes on serving. The service
+takes a bearer token, as a deployment reachable by others does: calls without it (or with a wrong one) are
+UNAUTHENTICATED / 401, with no detail beyond that; the token itself never reaches the config."""
 
 import json
 
@@ -11,23 +13,29 @@ import jsonschema
 import openai
 import pytest
 
+from deployments.auth import read_token, token_digest
+from deployments.config import AppConfig
+from splitspec.api.auth import bearer
+from splitspec.api.client import SpecDecodeClient
 from tests.serving.conftest import MAX_NEW_TOKENS, PROMPTS, make_config, serving
 
 pytestmark = pytest.mark.slow
 
 MODEL = "SmolLM2-135M-Instruct"  # the default pair's target: its folder's name is the served model id
 SPECULATION = [{"mode": "off"}, {"mode": "on", "num_draft_tokens": 3, "drafter": "model"}, {"mode": "default"}]
+TOKEN = "test-token-0123456789abcdef"
+AUTH = {"authorization": f"Bearer {TOKEN}"}  # (raw HTTP requests' header; the clients send the token themselves)
 
 
 @pytest.fixture(scope="module")
 def client():
-    with serving(make_config()) as client:
+    with serving(make_config(auth={"token_sha256": token_digest(TOKEN)}), token=TOKEN) as client:
         yield client
 
 
 @pytest.fixture(scope="module")
 def oai(client):
-    with openai.OpenAI(base_url=client.http_base_url, api_key="not-checked-here", max_retries=0, timeout=300) as oai:
+    with openai.OpenAI(base_url=client.http_base_url, api_key=TOKEN, max_retries=0, timeout=300) as oai:
         yield oai
 
 
@@ -250,7 +258,7 @@ BAD = [  # (body fields over a good chat request, status, words of the message)
 @pytest.mark.parametrize("fields,status,message", BAD, ids=[m for _, _, m in BAD])
 def test_bad_input_gets_its_status_in_openai_error_json(client, fields, status, message, stream):
     body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": stream} | fields
-    response = httpx.post(f"{client.http_base_url}/chat/completions", json=body, timeout=120)
+    response = httpx.post(f"{client.http_base_url}/chat/completions", json=body, timeout=120, headers=AUTH)
     assert response.status_code == status, response.text
     error = response.json()["error"]
     assert message in error["message"] and error["type"] in ("invalid_request_error", "not_found_error")
@@ -351,13 +359,13 @@ def test_bad_input_through_the_openai_client_and_service_goes_on(client, oai):
         oai.completions.create(model=MODEL, prompt=[1, 2, 3])
     for raw in (b"{not json", b"[]", b'{"model": "x"}'):
         response = httpx.post(f"{client.http_base_url}/chat/completions", content=raw, timeout=60,
-                              headers={"content-type": "application/json"})
+                              headers={"content-type": "application/json"} | AUTH)
         assert response.status_code in (400, 404) and "error" in response.json()
     assert chat(oai, "hi", temperature=0, max_tokens=4).usage.completion_tokens == 4
 
 
 def test_request_id_header_and_health(client):
-    response = httpx.post(f"{client.http_base_url}/completions", headers={"x-request-id": "my-request-7"}, timeout=120,
+    response = httpx.post(f"{client.http_base_url}/completions", headers={"x-request-id": "my-request-7"} | AUTH, timeout=120,
                           json={"model": MODEL, "prompt": "Hello", "max_tokens": 2, "temperature": 0})
     assert response.status_code == 200 and response.headers["x-request-id"] == "my-request-7"
     assert response.json()["id"] == "cmpl-my-request-7"
@@ -376,9 +384,77 @@ def test_a_body_over_the_limit_is_413_and_the_service_goes_on(client, oai, chunk
     raw = padding + b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}'
     content = (raw[i : i + 2**16] for i in range(0, len(raw), 2**16)) if chunked else raw
     response = httpx.post(f"{client.http_base_url}/chat/completions", content=content, timeout=120,
-                          headers={"content-type": "application/json"})
+                          headers={"content-type": "application/json"} | AUTH)
     assert response.status_code == 413
     error = response.json()["error"]
     assert error["type"] == "invalid_request_error" and error["code"] == 413
     assert f"limit of {limit} bytes" in error["message"] and "max_request_bytes" in error["message"]
     assert chat(oai, "hi", temperature=0, max_tokens=2).usage.completion_tokens == 2
+
+
+# -- the bearer token (deployments.auth) --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("token", [None, "wrong-token-0123456789", TOKEN[:-1]])
+def test_calls_without_the_token_are_unauthenticated(client, token):
+    with SpecDecodeClient(client.address, token=token, timeout_s=120) as caller:
+        with pytest.raises(grpc.RpcError) as unary:
+            caller.generate(messages=[("user", PROMPTS[0])], max_new_tokens=4)
+        with pytest.raises(grpc.RpcError) as stream:
+            list(caller.stream(messages=[("user", PROMPTS[0])], max_new_tokens=4))
+    for error in (unary.value, stream.value):
+        assert error.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert error.details() == "unauthenticated"
+
+
+def test_calls_with_the_token_are_served(client):
+    with SpecDecodeClient(client.address, token=TOKEN, timeout_s=120) as caller:
+        assert len(caller.generate(messages=[("user", PROMPTS[0])], max_new_tokens=4).token_ids) == 4
+        assert sum(len(c.token_ids) for c in caller.stream(messages=[("user", PROMPTS[1])], max_new_tokens=4)) == 4
+        assert caller.metadata[-1] == bearer(TOKEN)
+
+
+def test_token_sources_and_config_checks(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPLITSPEC_AUTH_TOKEN", f" {TOKEN}\n")
+    assert read_token() == TOKEN
+    path = tmp_path / "token"
+    path.write_text("from-a-file-0123456789\n")
+    assert read_token(str(path)) == "from-a-file-0123456789"
+    monkeypatch.setenv("SPLITSPEC_AUTH_TOKEN", "short")
+    with pytest.raises(ValueError, match="at least 16 characters"):
+        read_token()
+    monkeypatch.delenv("SPLITSPEC_AUTH_TOKEN")
+    assert read_token() == ""
+    with pytest.raises(ValueError, match="token_sha256"):
+        AppConfig.model_validate({"auth": {"token_sha256": TOKEN}})  # the token itself, not its digest
+
+
+@pytest.mark.parametrize("token", [None, "wrong-token-0123456789"])
+def test_http_calls_without_the_token_get_401(client, token):
+    headers = {"authorization": f"Bearer {token}"} if token else {}
+    for method, path, body in (("GET", "/models", None), ("POST", "/chat/completions", {
+            "messages": [{"role": "user", "content": PROMPTS[0]}], "max_tokens": 4}), ("POST", "/completions", {
+            "prompt": "Hello", "max_tokens": 4, "stream": True})):
+        response = httpx.request(method, client.http_base_url + path, json=body, headers=headers, timeout=60)
+        assert response.status_code == 401
+        assert response.json()["error"] == {"message": "unauthenticated", "type": "authentication_error",
+                                                  "param": None, "code": 401}
+    with openai.OpenAI(base_url=client.http_base_url, api_key=token or "none", max_retries=0) as oai:
+        with pytest.raises(openai.AuthenticationError):
+            oai.models.list()
+    assert httpx.get(client.http_base_url.removesuffix("/v1") + "/health", timeout=60).status_code == 200  # a probe
+
+
+def test_http_calls_with_the_token_are_served(client):
+    with openai.OpenAI(base_url=client.http_base_url, api_key=TOKEN, max_retries=0, timeout=120) as oai:
+        answer = oai.chat.completions.create(model=oai.models.list().data[0].id, max_tokens=4, temperature=0,
+                                             messages=[{"role": "user", "content": PROMPTS[0]}])
+    assert answer.usage.completion_tokens == 4
+
+
+def test_no_api_docs_are_served_around_the_token(client):
+    """FastAPI's /docs, /redoc and /openapi.json would answer without the token: they are off."""
+    base = client.http_base_url.removesuffix("/v1")
+    for path in ("/docs", "/redoc", "/openapi.json", "/docs/oauth2-redirect"):
+        for headers in ({}, AUTH):
+            assert httpx.get(base + path, headers=headers, timeout=60).status_code == 404, path
