@@ -92,7 +92,9 @@ class HermesParser:
 
 class Llama3JsonParser:
     name = "llama3_json"
-    markers = ("<|python_tag|>", '"parameters"')
+    # (Meta's templates for 3.1 and 3.2 write the format out: 'Respond in the format {"name": function name,
+    # "parameters": dictionary of argument name and its value}')
+    markers = ("<|python_tag|>", '"parameters": dictionary of argument name')
     TAG = "<|python_tag|>"
 
     def parse(self, text: str, names: set[str]) -> tuple[str, list[ToolCall]]:
