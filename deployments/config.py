@@ -200,6 +200,20 @@ class Faults(_Strict):
                                              "process or holds until released (never set this in production)")
 
 
+def _generation_tag():
+    """transformers' ``{% generation %}`` block (it marks the assistant's tokens), as a parse-only Jinja extension."""
+    import jinja2.ext
+
+    class GenerationTag(jinja2.ext.Extension):
+        tags = {"generation"}
+
+        def parse(self, parser):
+            next(parser.stream)
+            return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+    return GenerationTag
+
+
 class Models(_Strict):
     target: str = Field("", description="target model folder (HF format); empty = the prepared default pair")
     draft: str = Field("", description="draft model folder sharing the target's tokenizer; empty = default pair")
@@ -243,7 +257,7 @@ class Models(_Strict):
             import jinja2
 
             try:
-                jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(value)
+                jinja2.Environment(extensions=["jinja2.ext.loopcontrols", _generation_tag()]).parse(value)
             except jinja2.TemplateSyntaxError as exc:
                 raise ValueError(f"chat_template is no valid Jinja: {exc.message} (line {exc.lineno})") from None
         return value

@@ -28,6 +28,7 @@ from deployments import openai_protocol as protocol
 from deployments.config import AppConfig
 from deployments.metrics import RequestMetrics
 from deployments.status import ModelNotFoundError, RequestTooLargeError, to_status
+from splitspec.api.v1 import splitspec_pb2 as pb
 
 # no /docs, /redoc or /openapi.json: they would answer without the bearer token (api.md documents the API)
 http_app = FastAPI(title="splitspec", version="v1", summary="OpenAI-compatible API of splitspec's speculative decoding",
@@ -108,7 +109,9 @@ class OpenAIRoutes:
             calls, prompt = None, None
             if chat:
                 calls, messages = protocol.tool_plan(body, self.tool_format.parser), protocol.chat_messages(body)
-                if tools.uses_template(self.tool_format, messages, calls):
+                if tools.uses_template(self.tool_format, messages, calls):  # (its size checked before it is rendered)
+                    api.check_size(pb.GenerateRequest(messages=[pb.ChatMessage(role=m["role"], content=m["content"])
+                                                                for m in messages]), self.config)
                     prompt = await self.render_chat(messages, calls)
             message = protocol.generate_request(body, request.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex, calls,
                                                 prompt)

@@ -65,7 +65,8 @@ class HermesParser:
     name = "hermes"
     markers = ("<tool_call>",)
     OPEN = "<tool_call>"
-    BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+    # a block, or the answer's last one where it ended before the closing tag (EOS right after the JSON)
+    BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|\Z)", re.DOTALL)
 
     def parse(self, text: str, names: set[str]) -> tuple[str, list[ToolCall]]:
         calls, kept, at = [], [], 0

@@ -173,7 +173,7 @@ def _call_parts(call: Any, i: int) -> tuple[str, Any]:
         function = call["function"]
         arguments = function.get("arguments") or "{}"
         return function["name"], json.loads(arguments) if isinstance(arguments, str) else arguments
-    except (KeyError, TypeError, ValueError) as exc:
+    except (AttributeError, KeyError, TypeError, ValueError) as exc:
         raise InvalidRequestError(f"messages[{i}].tool_calls: expected {{\"function\": {{\"name\", \"arguments\": "
                                   f"JSON}}}} ({exc})") from None
 
@@ -246,7 +246,10 @@ def server_format(chat_template: str | dict | None, parser: str = "auto") -> Too
     if parser != "auto":
         if parser not in PARSERS:
             raise ValueError(f"models.tool_call_parser {parser!r} is none of {['auto', *PARSERS]}")
-        return ToolFormat(PARSERS[parser], in_template="tools" in template)
+        if "tools" not in template:  # (the documented prompt format asks for <tool_call> blocks: hermes reads them)
+            raise ValueError(f"models.tool_call_parser is {parser!r}, but the chat template renders no tools: give "
+                             "one that does (models.chat_template), or leave the parser auto")
+        return ToolFormat(PARSERS[parser], in_template=True)
     found = detect(template)
     if found is None and "tools" in template:
         logger.warning("the chat template renders tools in a format splitspec does not know: tools use the documented "

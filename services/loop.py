@@ -46,7 +46,7 @@ from services.logprobs import TokenLogprob
 from services.policy import AdaptiveK, CostModel, decide
 from services.prefill import PrefillEngine
 from services.sampling import SamplingParams
-from services.tree import chain_length
+from services.tree import chain_length, tree_rows
 from services.validation import validate_max_new_tokens, validate_num_draft_tokens, validate_prompt
 from services.verify import VerifyEngine, VerifyResult
 
@@ -182,7 +182,7 @@ class SpeculativeLoop:
     def __init__(self, first_token: int, *, max_new_tokens: int, eos: set[int], num_draft_tokens: int,
                  drafting: bool, policy: AdaptiveK | None = None, overlap: bool = False, guesses: int = 1,
                  stats: SpeculationStats | None = None, tree_width: int = 1, chained: bool = False,
-                 costs: CostModel | None = None, first_logprob: TokenLogprob | None = None):
+                 costs: CostModel | None = None, first_logprob: TokenLogprob | None = None, constrained: bool = False):
         self.first_token = first_token
         self.first_logprob = first_logprob  # the first token's, where the request asks for logprobs
         self.max_new_tokens = max_new_tokens
@@ -199,6 +199,8 @@ class SpeculativeLoop:
         # a step that drafts asks for its proposal and the verification of its drafts in one round
         # (Calls.verify_proposal): where the drafter runs next to the target, one engine call a step instead of two
         self.chained = chained
+        # a structured-output request: its steps ask for the tokens its grammar forces after their drafts (jump)
+        self.constrained = constrained
         self.stats = stats if stats is not None else SpeculationStats()  # filled as the loop runs
         self._steps = None
         self._resume = False
@@ -251,8 +253,11 @@ class SpeculativeLoop:
                 block, block_probs, parents = [], None, None
                 if k > 0:
                     verified = self.chained
-                    jump = min(MAX_JUMP, remaining - 1 - k)  # (no row past max_new_tokens)
-                    results = yield Calls(propose=Propose(k, accepts, width=self.tree_width, jump=jump),
+                    # a tree whose side nodes would not fit the remaining tokens (near a full context) steps as a chain
+                    width = self.tree_width if tree_rows(k, self.tree_width) <= remaining else 1
+                    # (no row past max_new_tokens, side nodes counted)
+                    jump = min(MAX_JUMP, remaining - tree_rows(k, width)) if self.constrained else 0
+                    results = yield Calls(propose=Propose(k, accepts, width=width, jump=jump),
                                           verify_proposal=verified)
                     calls_s += results.propose_s
                     if results.draft_failed:
@@ -388,7 +393,8 @@ def speculative_decode(
         loop = SpeculativeLoop(first_token, max_new_tokens=max_new_tokens, eos=target.eos_token_ids,
                                num_draft_tokens=num_draft_tokens, drafting=draft is not None, policy=policy,
                                overlap=decided.overlap, guesses=guesses or decided.guesses, stats=stats,
-                               tree_width=decided.tree_width, chained=chained, first_logprob=first_logprob)
+                               tree_width=decided.tree_width, chained=chained, first_logprob=first_logprob,
+                               constrained=params.constraint is not None)
         yield from drive(loop, draft, verify, request_id, pool)
     finally:
         if pool is not None:

@@ -140,7 +140,6 @@ def test_the_format_is_the_template_s_where_it_renders_tools_in_a_known_format(t
     unknown = "{% for m in messages %}{{ m.content }}{% endfor %}{{ tools }}"  # renders tools, format unknown
     assert tools.server_format(unknown) == tools.ToolFormat()
     assert tools.server_format(unknown, "llama3_json") == tools.ToolFormat(tool_parsers.PARSERS["llama3_json"], True)
-    assert tools.server_format(tokenizer.chat_template, "llama3_json").in_template is False  # no tool section
     with pytest.raises(ValueError, match="none of"):
         tools.server_format(CHATML_TOOLS, "pythonic")
 
@@ -206,3 +205,39 @@ def test_streamed_llama3_json_answers_hold_back_only_an_answer_that_may_be_a_cal
     assert prose.feed("It is") == "It is" and prose.feed(' {"a": 1}') == ' {"a": 1}' and prose.finish() == ("", [])
     json_text = tools.StreamedAnswer(plan)  # a JSON answer that is no call: held to the end, then sent as text
     assert json_text.feed('{"answer": 42}') == "" and json_text.finish() == ('{"answer": 42}', [])
+
+
+def test_a_last_block_the_answer_ended_before_closing_is_a_call():
+    plan = tools.plan([WEATHER], "auto", None)
+    content, calls = tools.parse_answer('Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}',
+                                        plan)
+    assert content == "Checking." and [c.name for c in calls] == ["get_weather"]
+    cut = '<tool_call>\n{"name": "get_weather", "argu'  # cut short: text
+    assert tools.parse_answer(cut, plan) == (cut, [])
+
+
+def test_a_named_parser_needs_a_template_that_renders_tools(tokenizer):
+    with pytest.raises(ValueError, match="renders no tools"):
+        tools.server_format(tokenizer.chat_template, "llama3_json")
+
+
+def test_a_malformed_history_call_is_a_bad_request():
+    history = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "", "tool_calls": [{"function": "x"}]}]
+    for render in (tools.render_messages, tools.template_messages):
+        with pytest.raises(InvalidRequestError, match=re.escape("messages[1].tool_calls")):
+            render(history, tools.plan([WEATHER], "auto", None))
+
+
+def test_a_chat_template_is_read_from_its_file_and_checked(tmp_path):
+    from deployments.config import AppConfig
+
+    path = tmp_path / "template.jinja"
+    path.write_text(CHATML_TOOLS)
+    assert AppConfig.model_validate({"models": {"chat_template": str(path)}}).models.chat_template == CHATML_TOOLS
+    marked = "{% for m in messages %}{% generation %}{{ m.content }}{% endgeneration %}{% endfor %}"  # transformers' tag
+    assert AppConfig.model_validate({"models": {"chat_template": marked}}).models.chat_template == marked
+    for bad, reason in (("{% for m in messages %}", "no valid Jinja"), (str(tmp_path / "none.jinja"), "neither")):
+        with pytest.raises(ValueError, match=reason):
+            AppConfig.model_validate({"models": {"chat_template": bad}})
+    with pytest.raises(ValueError, match="tool_call_parser must be auto or one of"):
+        AppConfig.model_validate({"models": {"tool_call_parser": "pythonic"}})

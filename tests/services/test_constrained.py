@@ -265,3 +265,21 @@ def test_the_tokens_the_grammar_forces_follow_the_chain_and_are_accepted(default
     draft.accept("j", verdict.n_matches, verdict.token_ids[-1], verdict.features)
     verify.close("j")
     draft.close("j")
+
+
+@pytest.mark.parametrize("constrained", [False, True])
+def test_only_a_constrained_request_asks_for_the_grammar_s_tokens(constrained):
+    """The loop asks the drafter for jump-forward tokens (and books verify rows for them) only where a grammar can
+    force any, never past max_new_tokens (side nodes counted); a tree that would not fit steps as a chain."""
+    from services.loop import MAX_JUMP, SpeculativeLoop
+    from services.tree import tree_rows
+
+    for max_new_tokens, width in ((64, 1), (64, 3), (6, 1), (6, 3)):
+        loop = SpeculativeLoop(5, max_new_tokens=max_new_tokens, eos={0}, num_draft_tokens=3, drafting=True,
+                               tree_width=width, constrained=constrained)
+        assert loop.advance().token_ids == [5]  # the first token
+        propose, remaining = loop.advance().propose, max_new_tokens - 1
+        fits = width if tree_rows(3, width) <= remaining else 1
+        assert propose.k == 3 and propose.width == fits
+        assert propose.jump == (min(MAX_JUMP, remaining - tree_rows(3, fits)) if constrained else 0)
+        assert tree_rows(3, fits) - 1 + propose.jump <= remaining - 1  # drafts and jump, then the step's own token

@@ -123,6 +123,8 @@ def test_tools_go_through_the_model_s_own_template(proxied, nodraft):
                            {"role": "tool", "tool_call_id": calls[0].id, "content": '{"temperature": 21}'}]
         second = oai.chat.completions.create(model=answer.model, messages=history, tools=[WEATHER], temperature=0,
                                              max_tokens=8)
+        with pytest.raises(openai.BadRequestError, match="the server's limit is 256"):  # checked before rendering
+            oai.chat.completions.create(model=answer.model, messages=first * 300, tools=[WEATHER], max_tokens=4)
     for messages, response in ((first, answer), (history, second)):
         plan = tools.plan([WEATHER], "auto", None)
         prompt = tools.render_prompt(tokenizer, messages, plan)
