@@ -7,12 +7,15 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers import AutoConfig, AutoTokenizer
 
 from services.errors import InvalidRequestError, ModelMismatchError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 logger = logging.getLogger(__name__)
 
@@ -107,6 +110,8 @@ def load_causal_lm(
         )
     torch_device = check_device(device)
     set_num_threads(num_threads)
+    from transformers import AutoModelForCausalLM  # (its import is seconds: only processes that load a model pay it)
+
     model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype]).to(torch_device).eval()
     model.requires_grad_(False)
     tokenizer = AutoTokenizer.from_pretrained(path) if _has_tokenizer(path) else None
@@ -219,6 +224,7 @@ def load_head_parts(path: str | Path) -> HeadParts:
     import copy
 
     from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
 
     path = Path(path)
     config = AutoConfig.from_pretrained(path)
