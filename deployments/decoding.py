@@ -45,6 +45,7 @@ class RequestSession:
     skip_first: bool = False  # a recovered stream: its first token was emitted before the loss
     tokens: list[int] = field(default_factory=list)  # every token emitted so far: the context after the prompt
     recoveries: int = 0
+    decided: bool = False  # the first session that opened told the request's policy (a reopened one keeps it)
     # calls opening a session whose answer the request has not taken yet: each is closed once it answers if the
     # request ends first (calls.outside_request)
     openings: dict[asyncio.Task, str] = field(default_factory=dict)  # call -> session id
@@ -99,8 +100,9 @@ class Decoder:
                         s.verify = self.verify.options(session_id=pin(opened.replica_id))
                         self._handed_off(handoff, opened, timer)
                         handoff = None  # the last reference here: the object store frees the KV once the verifier holds it
-                        if not s.recoveries:
+                        if not s.decided:  # (the first session that opened: a loss may come before any did)
                             self._decided(plan, opened)
+                            s.decided = True
                         s.stream = s.verify.options(stream=True, _by_reference=False).speculate.remote(s.verify_sid)
                     item = await self.stages.call("verify", anext(s.stream))
                 except StopAsyncIteration:
