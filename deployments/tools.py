@@ -230,10 +230,6 @@ class ToolFormat:
     parser: ToolParser = HERMES
     in_template: bool = False
 
-    @property
-    def name(self) -> str:
-        return f"{self.parser.name} ({'the chat template' if self.in_template else 'the documented prompt format'})"
-
 
 def server_format(chat_template: str | dict | None, parser: str = "auto") -> ToolFormat:
     """The format for a target whose tokenizer has ``chat_template`` (a dict: named templates, the ``tool_use`` one
