@@ -664,6 +664,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "or share them, and resume from them in another --out")
     train.add_argument("--address", help="a Ray cluster to run on (default: a local one with every CPU)")
     train.add_argument("--resume", action="store_true", help="continue the run in --out (the same data recipe)")
+    train.add_argument("--init", metavar="HEAD", help="go on training this saved head (a file, or a folder holding "
+                       "eagle_head.safetensors and its report) on the units after those it has seen: a run in stages")
     train.add_argument("--install", metavar="DRAFTER_DIR", help="install the head beside this drafter (models.draft)")
     train.add_argument("--seed", type=int, default=0)
     train.add_argument("--variants", type=lambda s: tuple(s.split(",")), help="final,fused (default: both)")

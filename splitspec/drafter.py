@@ -181,6 +181,28 @@ def generate(job: TrainJob, data: Path, pool: list) -> int:
     return tokens
 
 
+def init_stage(job: TrainJob) -> dict:
+    """What the head ``--init`` names was trained on (its report beside it): refused if it was made for another
+    target or from data of another recipe. Returns {"units", "answer_tokens", "stages"}."""
+    from services import eagle_draft
+    from services.loading import config_of
+
+    path = Path(job.init)
+    report_path = path.with_name(pipeline.REPORT_FILE)
+    if not path.is_file() or not report_path.is_file():
+        raise SystemExit(f"--init: {path} is no saved head with its report ({report_path.name}) beside it")
+    report = json.loads(report_path.read_text())
+    if report.get("target") != eagle_draft.target_identity(config_of(job.target)):
+        raise SystemExit(f"--init: {path} was trained for another target than {job.target}")
+    saved = report.get("job", {})
+    changed = {k: (saved.get(k), v) for k, v in job.data_fields().items() if saved.get(k) != v}
+    if changed:
+        raise SystemExit(f"--init: {path} was trained on data of another recipe ({changed})")
+    stages = report.get("stages") or [{"units": report["units"], "answer_tokens": report["answer_tokens"],
+                                       "epochs": saved.get("epochs"), "lr": saved.get("lr")}]
+    return {"units": report["units"], "answer_tokens": report["answer_tokens"], "stages": stages}
+
+
 def training_units(job: TrainJob, data: Path) -> tuple[list[Path], int]:
     """The units a run trains on, and their answer tokens: the first ones (by number) that hold ``job.tokens``, so
     that runs over one data folder with growing ``--tokens`` give the curve of a head against its data."""
@@ -320,10 +342,15 @@ def run(args) -> int:
         user = pipeline.read_user_prompts(user_path) if user_path else []  # (refused before anything starts)
     except (OSError, ValueError) as exc:
         raise SystemExit(f"error: {exc}") from None
+    init = Path(args.init) if args.init else None
+    if init is not None and init.is_dir():
+        init = init / pipeline.HEAD_FILE
     job = TrainJob(target=str(Path(args.target).resolve()), tokens=args.tokens, seed=args.seed,
+                   init=str(init.resolve()) if init else "",
                    user_prompts_sha256=pipeline.file_sha256(user_path) if user_path else "",
                    **{k: v for k, v in vars(args).items() if k in TUNABLE and v is not None})
     job = open_job(job, out, args.resume)
+    before = init_stage(job) if job.init else {"units": 0, "answer_tokens": 0, "stages": []}
     data = Path(args.data) if args.data else out / "data"
     try:
         pipeline.open_data(job, data)  # (a data folder of another recipe is refused before the run is written)
@@ -336,8 +363,14 @@ def run(args) -> int:
     print(f"prompts: {len(pool)} first turns ({sum(1 for k, _ in pool if k == 'user')} yours)", flush=True)
     generate(job, data, pool)
     units, tokens = training_units(job, data)
+    units = units[before["units"]:]  # (a head going on is trained on the units after those it has seen)
+    if not units:
+        raise SystemExit(f"--init: the head has seen the {before['units']} units that hold --tokens {job.tokens}: "
+                         "raise --tokens")
+    stage = {"units": len(units), "answer_tokens": tokens - before["answer_tokens"], "epochs": job.epochs, "lr": job.lr}
     paths = featurize(job, units, out / "features")
-    print(f"data: {tokens} answer tokens in {len(paths)} units ({data})", flush=True)
+    print(f"data: {stage['answer_tokens']} answer tokens in {len(paths)} units ({data})"
+          + (f", after the {before['units']} units --init has seen" if job.init else ""), flush=True)
     sets = eval_sets(job, out)
     workers = args.train_workers or min(2, max(1, os.cpu_count() or 1))
     target, _ = load_target(job.target, torch.get_num_threads())
@@ -355,7 +388,8 @@ def run(args) -> int:
     servable = [v for v in results if v in SERVABLE]
     best = max(results, key=lambda v: pipeline.headline(results[v]))
     winner = max(servable, key=lambda v: pipeline.headline(results[v])) if servable else None
-    report = {"job": asdict(job), "answer_tokens": tokens, "units": len(paths), "variants": results,
+    report = {"job": asdict(job), "answer_tokens": tokens, "units": before["units"] + len(paths),
+              "stages": before["stages"] + [stage], "variants": results,
               "best": best, "installed_variant": winner, "seconds": round(time.time() - started, 1)}
     if winner != best:
         report["note"] = (f"{best!r} measured best, but serving hands the head only the final-norm features: "

@@ -63,15 +63,25 @@ def test_train_install_and_resume(pair, tmp_path):
     assert head.cfg.feature == "final" and len(head.kept_ids) == 512
     with pytest.raises(ValueError, match="trained for target"):
         eagle_draft.load(installed, load_head_parts(default_pair.target_dir()))
-    # an existing run is not overwritten; --resume with a larger budget keeps every unit and adds some
+    # an existing run is not overwritten; --resume with a larger budget keeps every unit and adds some; --init goes on
+    # training the first head on the units it has not seen (a run in stages), and refuses another target's head
     again = train("--target", target, "--out", out, "--tokens", 600, *SMALL)
     assert again.returncode != 0 and "--resume" in again.stderr
+    foreign = tmp_path / "foreign.safetensors"
+    foreign.write_bytes(b"")
+    (tmp_path / pipeline.REPORT_FILE).write_text(json.dumps({"target": "another", "units": 1, "answer_tokens": 1}))
+    refused = train("--target", target, "--out", tmp_path / "other", "--init", foreign, *SMALL, timeout=120)
+    assert refused.returncode != 0 and "another target" in refused.stderr and not (tmp_path / "other").exists()
+    first = out / "first-head"
+    (out / "head").rename(first)
     more = train("--target", target, "--out", out, "--tokens", 1200, "--prompts", mine, "--resume", *SMALL,
-                 "--variants", "final")  # (the data recipe is the same; one variant is enough to retrain)
+                 "--variants", "final", "--init", first)  # (the same data recipe; --init goes on with its variant)
     assert more.returncode == 0, more.stdout[-3000:] + more.stderr[-3000:]
     after = {p.name: p.stat().st_mtime_ns for p in pipeline.unit_paths(out / "data")}
     assert len(after) > len(units) and all(after[name] == mtime for name, mtime in units.items())
-    assert json.loads((out / "report.json").read_text())["answer_tokens"] >= 1200
+    staged = json.loads((out / "report.json").read_text())
+    assert staged["answer_tokens"] >= 1200 and staged["units"] == len(after)
+    assert [s["units"] for s in staged["stages"]] == [report["units"], len(after) - report["units"]]
 
 
 def test_a_prompt_file_that_copies_spec_bench_is_refused(pair, tmp_path):

@@ -78,6 +78,7 @@ class TrainJob:
     eval_prompts: int = 48  # Spec-Bench first turns the report measures on (spread over its six categories)
     eval_held_out: int = 24
     eval_max_new_tokens: int = 96
+    init: str = ""  # a saved head this run goes on training (its units are skipped): a run in stages
 
     def data_fields(self) -> dict:
         """What the data depends on (``--resume`` may change the rest, e.g. more tokens or another schedule)."""
@@ -238,7 +239,7 @@ FEATURE_BATCH = 8  # conversations per teacher-forced pass
 def featurize(model, rows: list[dict], job: TrainJob) -> list[dict]:
     """``rows`` with what a head learns from, from teacher-forced passes of the target (right padded, batches of
     similar length): ``final`` [n - 1, hidden] and ``fused`` [n - 1, 3 hidden] features of every position but the
-    last (bf16), ``top_idx`` / ``top_logp`` [n - p, K] of the target's distribution at each answer position."""
+    last (bf16; ``fused`` only if the job trains that variant), ``top_idx`` / ``top_logp`` [n - p, K] of the target's distribution at each answer position."""
     layers = feature_layers(model.config.num_hidden_layers)
     out: list[dict] = [{}] * len(rows)
     order = sorted(range(len(rows)), key=lambda i: len(rows[i]["ids"]))
@@ -250,16 +251,18 @@ def featurize(model, rows: list[dict], job: TrainJob) -> list[dict]:
         for b, i in enumerate(batch):
             n = len(rows[i]["ids"])
             ids[b, :n], mask[b, :n] = rows[i]["ids"].long(), 1
-        hidden = model.model(input_ids=ids.to(model.device), attention_mask=mask.to(model.device), output_hidden_states=True)
+        hidden = model.model(input_ids=ids.to(model.device), attention_mask=mask.to(model.device),
+                             output_hidden_states="fused" in job.variants)
         final = hidden.last_hidden_state  # [B, width, h] (after the final norm)
-        fused = torch.cat([hidden.hidden_states[i + 1] for i in layers], dim=-1)  # [B, width, 3 h]
         for b, i in enumerate(batch):
             n, p = len(rows[i]["ids"]), rows[i]["prompt_len"]
             logp = torch.log_softmax(model.lm_head(final[b, p - 1 : n - 1]).float(), dim=-1)  # [n - p, vocab]
             top_logp, top_idx = torch.topk(logp, job.teacher_top_k, dim=-1)
             out[i] = rows[i] | {"final": final[b, : n - 1].to("cpu", torch.bfloat16).clone(),
-                                "fused": fused[b, : n - 1].to("cpu", torch.bfloat16).clone(),
                                 "top_idx": top_idx.int().cpu(), "top_logp": top_logp.half().cpu()}
+            if "fused" in job.variants:  # [n - 1, 3 h]
+                out[i]["fused"] = torch.cat([hidden.hidden_states[j + 1][b, : n - 1] for j in layers], dim=-1).to(
+                    "cpu", torch.bfloat16).clone()
     return out
 
 
@@ -329,13 +332,22 @@ def new_head(target, job: TrainJob, feature: str, paths: list[Path]) -> eagle.Ea
     return eagle.EagleHead(target, cfg, kept, feature_dim)
 
 
+def init_head(target, job: TrainJob, feature: str) -> eagle.EagleHead:
+    """The head ``job.init`` names, to go on training with ``job``'s schedule (its kept ids stay)."""
+    head = eagle.load_head(target, job.init)
+    if head.cfg.feature != feature:
+        raise ValueError(f"--init {job.init} is a {head.cfg.feature!r} head, not {feature!r}")
+    head.cfg = replace(job.eagle_config(feature), draft_vocab=head.cfg.draft_vocab)
+    return head.requires_grad_(True)
+
+
 def train_variant(target, job: TrainJob, feature: str, paths: list[Path], *, rank: int = 0, world: int = 1,
                   sync_gradients=None, agree=None, checkpoint=None, device: str | torch.device = "cpu",
                   ) -> tuple[eagle.EagleHead, list[dict]]:
     """One head of ``feature`` trained on the units (the same data and schedule for each variant), on ``device``;
     returned on the CPU."""
     torch.manual_seed(job.seed)
-    head = new_head(target, job, feature, paths).to(device).train()
+    head = (init_head(target, job, feature) if job.init else new_head(target, job, feature, paths)).to(device).train()
     epoch, per_epoch = unit_batches(paths, job.batch_size, rank=rank, world=world)
     log = eagle_train.train_batches(head, epoch, per_epoch, head.cfg, job.teacher_top_k,
                                     max_seconds=job.train_seconds or None, checkpoint=checkpoint,
