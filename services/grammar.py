@@ -41,6 +41,11 @@ from services.errors import GrammarStateError, InvalidGrammarError
 JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": ",
                "json_allow_general_unicode_escapes": True}
 JSON_OBJECT_SCHEMA = '{"type": "object"}'  # response_format json_object: any JSON object
+# Subschema keywords (JSON Schema 2020-12 and draft 7), by what they hold: one schema, a list, or a name -> schema map.
+_ONE = ("additionalProperties", "unevaluatedProperties", "items", "additionalItems", "unevaluatedItems", "contains",
+        "not", "if", "then", "else", "propertyNames")
+_LIST = ("prefixItems", "anyOf", "oneOf", "allOf", "items")
+_MAP = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 CACHE_SIZE = 64  # compiled schemas kept per compiler (a compile is milliseconds; a cached one is a copy)
 BITS = 32  # vocab ids per bitmask word (int32)
 
@@ -61,6 +66,36 @@ def mask_logits(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
     """Logits [..., V] with -inf where ``allowed`` [..., V] (bool) is False; a new tensor. Apply it before the
     temperature and top-k/top-p warps, to the target's and the drafter's logits alike."""
     return logits.masked_fill(~allowed, float("-inf"))
+
+
+def closed_objects(schema, close: bool = True):
+    """``schema`` with ``additionalProperties: false`` on every object schema that lists ``properties`` and says
+    nothing of other names (xgrammar's strict mode, the default of vLLM and SGLang): JSON Schema lets such an object
+    take any other key, and a small model writes invented keys until max_tokens. The answers stay valid for the
+    schema as given; a schema that wants other keys says so (``additionalProperties``, ``patternProperties`` or
+    ``unevaluatedProperties``). Where another schema may list more names for the same object (``allOf`` members, a
+    schema beside ``$ref`` or a combinator, an ``anyOf`` / ``oneOf`` member of a schema with properties of its own)
+    the object stays open. A new object; ``close=False`` leaves this level open."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _ONE:
+        if isinstance(out.get(key), dict):
+            out[key] = closed_objects(out[key])
+    for key in _LIST:
+        if isinstance(out.get(key), list):
+            member_open = key == "allOf" or (key in ("anyOf", "oneOf") and "properties" in out)
+            out[key] = [closed_objects(s, close=not member_open) for s in out[key]]
+    for key in _MAP:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: closed_objects(s) for name, s in out[key].items()}
+    combined = any(k in out for k in ("allOf", "anyOf", "oneOf", "$ref", "if", "dependentSchemas"))
+    if close and "properties" in out and not combined and not any(k in out for k in _OPENERS):
+        out["additionalProperties"] = False
+    return out
+
+
+_OPENERS = ("additionalProperties", "patternProperties", "unevaluatedProperties")  # what says "other names too"
 
 
 class Grammar:
@@ -122,7 +157,7 @@ class GrammarCompiler:
         if not isinstance(schema, (dict, bool)):
             raise InvalidGrammarError(f"a JSON schema is an object or a boolean, not {type(schema).__name__}")
         try:
-            source = llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=JSON_LAYOUT)
+            source = llguidance.LLMatcher.grammar_from_json_schema(closed_objects(schema), overrides=JSON_LAYOUT)
         except ValueError as exc:
             raise InvalidGrammarError(f"invalid JSON schema: {exc}") from None
         matcher = llguidance.LLMatcher(self._lltok, source, log_level=0)  # validates; never raises (see is_error)

@@ -270,3 +270,30 @@ def test_a_forbidden_draft_node_and_its_subtree_get_their_parents_mask(compiler,
     want = sequential_masks(grammar, prefix, [chain[0], chain[1], chain[1], chain[1]], [0, 1, 2, 1])
     assert torch.equal(masks[good], want[good])
     assert state.n_tokens == len(prefix)
+
+
+@pytest.mark.parametrize("extra,others_allowed", [({}, False), ({"additionalProperties": True}, True),
+                                                  ({"additionalProperties": {"type": "integer"}}, True)])
+def test_objects_take_other_keys_only_where_the_schema_says_so(compiler, model_info, extra, others_allowed):
+    """An object schema that lists properties and says nothing of other names takes no other key (xgrammar's strict
+    mode, vLLM's and SGLang's default: a small model would invent keys until max_tokens); one that says so does."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]} | extra
+    state = compiler.json_schema(schema).start()
+    state.advance_many(encode(compiler, model_info, '{"a": 1'))
+    assert state.accepts(encode(compiler, model_info, ",")[0]) == others_allowed
+    assert state.accepts(encode(compiler, model_info, "}")[0])
+
+
+def test_closed_objects_leave_open_what_another_schema_may_extend():
+    from services.grammar import closed_objects
+
+    nested = {"type": "object", "properties": {"p": {"type": "object", "properties": {"q": {}}}}}
+    assert closed_objects(nested) == {"type": "object", "additionalProperties": False, "properties": {
+        "p": {"type": "object", "properties": {"q": {}}, "additionalProperties": False}}}
+    both = {"allOf": [{"properties": {"a": {}}}, {"properties": {"b": {}}}]}  # {"a", "b"} is valid: stays open
+    assert closed_objects(both) == both
+    beside = {"properties": {"a": {}}, "anyOf": [{"properties": {"b": {}}}], "$defs": {"d": {"properties": {"c": {}}}}}
+    assert closed_objects(beside) == beside | {"$defs": {"d": {"properties": {"c": {}}, "additionalProperties": False}}}
+    named = {"properties": {"properties": {"type": "string"}}}  # a property named "properties" is no keyword
+    assert closed_objects(named) == named | {"additionalProperties": False}
+    assert closed_objects({"type": "object"}) == {"type": "object"} and closed_objects(True) is True
