@@ -192,6 +192,9 @@ def init_stage(job: TrainJob) -> dict:
     if not path.is_file() or not report_path.is_file():
         raise SystemExit(f"--init: {path} is no saved head with its report ({report_path.name}) beside it")
     report = json.loads(report_path.read_text())
+    if not isinstance(report.get("units"), int) or not isinstance(report.get("answer_tokens"), int):
+        raise SystemExit(f"--init: {report_path} does not say which units the head has seen (a head from "
+                         "`splitspec drafter train` does)")
     if report.get("target") != eagle_draft.target_identity(config_of(job.target)):
         raise SystemExit(f"--init: {path} was trained for another target than {job.target}")
     saved = report.get("job", {})
