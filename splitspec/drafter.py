@@ -197,6 +197,12 @@ def init_stage(job: TrainJob) -> dict:
                          "`splitspec drafter train` does)")
     if report.get("target") != eagle_draft.target_identity(config_of(job.target)):
         raise SystemExit(f"--init: {path} was trained for another target than {job.target}")
+    from safetensors import safe_open
+
+    with safe_open(path, "pt") as f:
+        feature = json.loads(f.metadata()["config"])["feature"]
+    if tuple(job.variants) != (feature,):
+        raise SystemExit(f"--init: {path} is a {feature!r} head; it goes on as that variant alone (--variants {feature})")
     saved = report.get("job", {})
     changed = {k: (saved.get(k), v) for k, v in job.data_fields().items() if saved.get(k) != v}
     if changed:

@@ -239,7 +239,8 @@ FEATURE_BATCH = 8  # conversations per teacher-forced pass
 def featurize(model, rows: list[dict], job: TrainJob) -> list[dict]:
     """``rows`` with what a head learns from, from teacher-forced passes of the target (right padded, batches of
     similar length): ``final`` [n - 1, hidden] and ``fused`` [n - 1, 3 hidden] features of every position but the
-    last (bf16; ``fused`` only if the job trains that variant), ``top_idx`` / ``top_logp`` [n - p, K] of the target's distribution at each answer position."""
+    last (bf16; ``fused`` only if the job trains that variant), ``top_idx`` / ``top_logp`` [n - p, K] of the
+    target's distribution at each answer position."""
     layers = feature_layers(model.config.num_hidden_layers)
     out: list[dict] = [{}] * len(rows)
     order = sorted(range(len(rows)), key=lambda i: len(rows[i]["ids"]))
