@@ -68,34 +68,80 @@ def mask_logits(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(~allowed, float("-inf"))
 
 
-def closed_objects(schema, close: bool = True):
+def closed_objects(schema):
     """``schema`` with ``additionalProperties: false`` on every object schema that lists ``properties`` and says
     nothing of other names (xgrammar's strict mode, the default of vLLM and SGLang): JSON Schema lets such an object
     take any other key, and a small model writes invented keys until max_tokens. The answers stay valid for the
-    schema as given; a schema that wants other keys says so (``additionalProperties``, ``patternProperties`` or
-    ``unevaluatedProperties``). Where another schema may list more names for the same object (``allOf`` members, a
-    schema beside ``$ref`` or a combinator, an ``anyOf`` / ``oneOf`` member of a schema with properties of its own)
-    the object stays open. A new object; ``close=False`` leaves this level open."""
+    schema as given; a schema that wants other keys says so (``additionalProperties`` or ``patternProperties``).
+    Left open, where other names may be meant: an object whose ``required`` or ``minProperties`` asks for more than
+    it lists; one beside ``$ref`` or a combinator; a member of ``allOf``, or of ``anyOf`` / ``oneOf`` under a schema
+    that has names of its own; whatever a ``$ref`` in such a place points to. A new object."""
     if not isinstance(schema, dict):
         return schema
-    out = dict(schema)
+    return _close(schema, "#", _open_refs(schema), True)
+
+
+def _close(schema, pointer: str, open_refs: set[str], close: bool):
+    if not isinstance(schema, dict):
+        return schema
+    out, close = dict(schema), close and pointer not in open_refs
     for key in _ONE:
         if isinstance(out.get(key), dict):
-            out[key] = closed_objects(out[key])
+            out[key] = _close(out[key], f"{pointer}/{_escape(key)}", open_refs, True)
     for key in _LIST:
         if isinstance(out.get(key), list):
-            member_open = key == "allOf" or (key in ("anyOf", "oneOf") and "properties" in out)
-            out[key] = [closed_objects(s, close=not member_open) for s in out[key]]
+            member_open = key == "allOf" or (key in ("anyOf", "oneOf") and _names_of_its_own(out))
+            out[key] = [_close(s, f"{pointer}/{key}/{i}", open_refs, not member_open) for i, s in enumerate(out[key])]
     for key in _MAP:
         if isinstance(out.get(key), dict):
-            out[key] = {name: closed_objects(s) for name, s in out[key].items()}
-    combined = any(k in out for k in ("allOf", "anyOf", "oneOf", "$ref", "if", "dependentSchemas"))
-    if close and "properties" in out and not combined and not any(k in out for k in _OPENERS):
-        out["additionalProperties"] = False
+            out[key] = {name: _close(s, f"{pointer}/{key}/{_escape(name)}", open_refs, True)
+                        for name, s in out[key].items()}
+    props = out.get("properties")
+    if close and isinstance(props, dict) and not any(k in out for k in (*_OPENERS, *_COMBINED)):
+        required = out.get("required") if isinstance(out.get("required"), list) else []
+        wants_more = set(required) - set(props) or out.get("minProperties", 0) > len(props)
+        if not wants_more:
+            out["additionalProperties"] = False
     return out
 
 
 _OPENERS = ("additionalProperties", "patternProperties", "unevaluatedProperties")  # what says "other names too"
+_COMBINED = ("allOf", "anyOf", "oneOf", "$ref", "if", "dependentSchemas", "dependencies")
+_ANNOTATIONS = {"$ref", "title", "description", "$comment", "default", "examples", "deprecated"}
+
+
+def _names_of_its_own(schema: dict) -> bool:
+    """Whether an object schema admits names itself (its members must then leave them open)."""
+    return "properties" in schema or any(k in schema and schema[k] is not False for k in _OPENERS)
+
+
+def _open_refs(schema) -> set[str]:
+    """The JSON pointers (``#/...``) of the schemas a ``$ref`` in an open place names (where ``_close`` leaves an
+    object open: beside other keywords, a member of ``allOf``, of ``anyOf`` / ``oneOf`` under names of its own)."""
+    found: set[str] = set()
+
+    def walk(node, open_member: bool):
+        if isinstance(node, dict):
+            ref = node.get("$ref")
+            if isinstance(ref, str) and ref.startswith("#") and (open_member or set(node) - _ANNOTATIONS):
+                found.add(ref.rstrip("/") or "#")
+            for key, value in node.items():
+                if key in ("allOf", "anyOf", "oneOf") and isinstance(value, list):
+                    member_open = key == "allOf" or _names_of_its_own(node)
+                    for member in value:
+                        walk(member, member_open)
+                else:
+                    walk(value, False)
+        elif isinstance(node, list):
+            for item in node:
+                walk(item, False)
+
+    walk(schema, False)
+    return found
+
+
+def _escape(name: str) -> str:  # a JSON pointer's reference token (RFC 6901)
+    return name.replace("~", "~0").replace("/", "~1")
 
 
 class Grammar:
@@ -154,6 +200,8 @@ class GrammarCompiler:
             schema = json.loads(text)
         except json.JSONDecodeError as exc:
             raise InvalidGrammarError(f"the JSON schema is not JSON: {exc}") from None
+        except RecursionError:
+            raise InvalidGrammarError("the JSON schema nests too deeply") from None
         if not isinstance(schema, (dict, bool)):
             raise InvalidGrammarError(f"a JSON schema is an object or a boolean, not {type(schema).__name__}")
         try:

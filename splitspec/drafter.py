@@ -9,8 +9,8 @@ the stages; this spreads them).
 - Report and install: on the driver.
 
 Out folder: job.json, prompts.json, data/unit-NNNNN.pt (token ids: small, kept apart with ``--data`` to commit or
-share them), features/ (recomputed from the data at will), eval.pt, heads/<variant>/, report.json, report.md and
-head/ (the winner, as serve loads it).
+share them), features/ (features-final/ without the fused ones; recomputed from the data at will), eval.pt,
+heads/<variant>/, report.json, report.md and head/ (the winner, as serve loads it).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import json
 import logging
 import os
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
@@ -58,6 +58,8 @@ def open_job(job: TrainJob, out: Path, resume: bool) -> TrainJob:
             changed["target"] = (saved.target, job.target)
         if changed:
             raise SystemExit(f"--resume: the data recipe differs from the saved run's ({changed}); use another --out")
+        if saved.init and not job.init:  # (a stage goes on as the stage it is)
+            job = replace(job, init=saved.init)
     elif resume:
         raise SystemExit(f"--resume: {out} holds no run to resume")
     return job
@@ -360,6 +362,8 @@ def run(args) -> int:
                    **{k: v for k, v in vars(args).items() if k in TUNABLE and v is not None})
     job = open_job(job, out, args.resume)
     before = init_stage(job) if job.init else {"units": 0, "answer_tokens": 0, "stages": []}
+    if job.init and job.tokens <= before["answer_tokens"]:
+        raise SystemExit(f"--init: the head has seen {before['answer_tokens']} answer tokens already: raise --tokens")
     data = Path(args.data) if args.data else out / "data"
     try:
         pipeline.open_data(job, data)  # (a data folder of another recipe is refused before the run is written)
@@ -372,12 +376,13 @@ def run(args) -> int:
     print(f"prompts: {len(pool)} first turns ({sum(1 for k, _ in pool if k == 'user')} yours)", flush=True)
     generate(job, data, pool)
     units, tokens = training_units(job, data)
+    seen = sum(pipeline.answer_tokens(torch.load(p)) for p in pipeline.unit_paths(data)[: before["units"]])
+    if seen != before["answer_tokens"]:
+        raise SystemExit(f"--init: the head's report says it saw {before['answer_tokens']} answer tokens in the first "
+                         f"{before['units']} units, but those of {data} hold {seen}: another data folder?")
     units = units[before["units"]:]  # (a head going on is trained on the units after those it has seen)
-    if not units:
-        raise SystemExit(f"--init: the head has seen the {before['units']} units that hold --tokens {job.tokens}: "
-                         "raise --tokens")
     stage = {"units": len(units), "answer_tokens": tokens - before["answer_tokens"], "epochs": job.epochs, "lr": job.lr}
-    paths = featurize(job, units, out / "features")
+    paths = featurize(job, units, out / ("features" if "fused" in job.variants else "features-final"))
     print(f"data: {stage['answer_tokens']} answer tokens in {len(paths)} units ({data})"
           + (f", after the {before['units']} units --init has seen" if job.init else ""), flush=True)
     sets = eval_sets(job, out)

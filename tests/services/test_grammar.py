@@ -290,10 +290,27 @@ def test_closed_objects_leave_open_what_another_schema_may_extend():
     nested = {"type": "object", "properties": {"p": {"type": "object", "properties": {"q": {}}}}}
     assert closed_objects(nested) == {"type": "object", "additionalProperties": False, "properties": {
         "p": {"type": "object", "properties": {"q": {}}, "additionalProperties": False}}}
-    both = {"allOf": [{"properties": {"a": {}}}, {"properties": {"b": {}}}]}  # {"a", "b"} is valid: stays open
-    assert closed_objects(both) == both
-    beside = {"properties": {"a": {}}, "anyOf": [{"properties": {"b": {}}}], "$defs": {"d": {"properties": {"c": {}}}}}
-    assert closed_objects(beside) == beside | {"$defs": {"d": {"properties": {"c": {}}, "additionalProperties": False}}}
     named = {"properties": {"properties": {"type": "string"}}}  # a property named "properties" is no keyword
     assert closed_objects(named) == named | {"additionalProperties": False}
-    assert closed_objects({"type": "object"}) == {"type": "object"} and closed_objects(True) is True
+    model = {"$defs": {"A": {"properties": {"a": {}}}}, "properties": {"x": {"$ref": "#/$defs/A"}}}  # pydantic's
+    assert closed_objects(model)["$defs"]["A"]["additionalProperties"] is False
+    union = {"$defs": {"A": {"properties": {"a": {}}}}, "anyOf": [{"$ref": "#/$defs/A"}, {"type": "string"}]}
+    assert closed_objects(union)["$defs"]["A"]["additionalProperties"] is False
+    unchanged = [
+        {"allOf": [{"properties": {"a": {}}}, {"properties": {"b": {}}}]},  # {"a", "b"} is valid
+        {"$defs": {"A": {"properties": {"a": {}}}}, "allOf": [{"$ref": "#/$defs/A"}, {"properties": {"b": {}}}]},
+        {"$defs": {"A": {"properties": {"a": {}}}}, "$ref": "#/$defs/A", "properties": {"b": {}}},
+        {"properties": {"p": {"properties": {"q": {}}}}, "allOf": [{"$ref": "#/properties/p"}]},
+        {"properties": {"a": {}}, "anyOf": [{"properties": {"b": {}}}]},
+        {"patternProperties": {"^x-": {}}, "anyOf": [{"properties": {"a": {}}, "required": ["a"]}]},
+        {"type": "object", "properties": {"a": {}}, "required": ["a", "b"]},  # asks for a name it does not list
+        {"type": "object", "properties": {"a": {}}, "minProperties": 2},
+        {"type": "object"}, True,
+    ]
+    for schema in unchanged:
+        assert closed_objects(schema) == schema, schema
+
+
+def test_a_schema_nested_too_deeply_is_refused(compiler):
+    with pytest.raises(InvalidGrammarError, match="nests too deeply"):
+        compiler.json_schema('{"items": ' * 5000 + "{}" + "}" * 5000)
