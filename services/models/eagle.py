@@ -122,13 +122,19 @@ class EagleHead(nn.Module):
         x = z + self.wo(attn.transpose(1, 2).reshape(B, L, -1))
         return x + self.w_down(F.silu(self.w_gate(self.ln2(x))) * self.w_up(self.ln2(x)))
 
+    def finish_rows(self, z, attn, rows):  # ``finish`` of the rows [B, L] (bool) only; the others keep z
+        B, L, _ = z.shape
+        x = z[rows] + self.wo(attn.transpose(1, 2).reshape(B, L, -1)[rows])  # [N, h]
+        x = x + self.w_down(F.silu(self.w_gate(self.ln2(x))) * self.w_up(self.ln2(x)))
+        return z.index_put((rows,), x)
+
     def logits(self, h_out: torch.Tensor) -> torch.Tensor:  # [..., h] -> [..., N] over kept ids
         return self.norm_out(h_out) @ self.embed[self.kept_ids].t()
 
     def feedback(self, h_out: torch.Tensor) -> torch.Tensor:  # the next step's g
         return self.feature_in(self.norm_out(h_out)) if self.cfg.feature == "final" else h_out
 
-    def chain(self, features, tokens, steps: int, *, teacher_tokens: bool):
+    def chain(self, features, tokens, steps: int, *, teacher_tokens: bool, rows: torch.Tensor | None = None):
         """Draft ``steps`` tokens from every start row at once.
 
         features: [B, L, feature_dim] target features at positions 0..L-1;
@@ -136,6 +142,9 @@ class EagleHead(nn.Module):
         Returns per step h_out [B, L, h] and, without ``teacher_tokens``, the
         drafted ids [B, L] (argmax over the kept ids, fed to the next step);
         with ``teacher_tokens`` step s > 1 reads the true x_{t+s} instead.
+        rows: [B, L] bool, the rows whose outputs the caller reads (training: those with a loss at some step); the
+        others' output projection and MLP are skipped (their h_out is garbage). Exact for the rows read: a row's
+        chain reads only step 0's keys and values (every row's, always computed) and its own earlier steps.
         """
         B, L, _ = features.shape
         rep = self.num_heads // self.num_kv_heads
@@ -156,7 +165,7 @@ class EagleHead(nn.Module):
             diag = [(q * dk).sum(-1, keepdim=True) for dk in diag_k]  # each [B, H, L, 1]
             p = torch.softmax(torch.cat([scores, *diag], dim=-1) / math.sqrt(self.head_dim), dim=-1)
             attn = p[..., :L] @ ctx_v + sum(p[..., L + r, None] * dv for r, dv in enumerate(diag_v))
-            h_out = self.finish(z, attn)
+            h_out = self.finish(z, attn) if rows is None else self.finish_rows(z, attn, rows)
             out.append(h_out)
             if not teacher_tokens:
                 drafted.append(self.kept_ids[self.logits(h_out).argmax(-1)])

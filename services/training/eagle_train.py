@@ -72,7 +72,8 @@ def chain_loss(head: EagleHead, batch, steps: int, reg_weight: float):
     feats, tokens, t_idx, t_logp, final, has_teacher = batch
     L = feats.shape[1]
     total, parts = 0.0, []
-    for s, h_out in enumerate(head.chain(feats, tokens, steps, teacher_tokens=True)[0]):
+    read = torch.stack([has_teacher[:, s + 1 : s + 1 + L] for s in range(steps)]).any(0)  # [B, L] rows with a loss
+    for s, h_out in enumerate(head.chain(feats, tokens, steps, teacher_tokens=True, rows=read)[0]):
         pos = slice(s + 1, s + 1 + L)  # row t at step s drafts the token the target predicts at position t+s+1
         mask = has_teacher[:, pos]
         idx, logp = head.remap[t_idx[:, pos][mask]], t_logp[:, pos][mask]  # [M, K]

@@ -106,3 +106,26 @@ def test_session_grows_its_kv_mid_chain(tiny_rows):
             session = eagle.HeadSession(head, capacity=capacity)
             chains.append([session.extend(row["final"][: t + 1], row["ids"][1 : t + 2])] + [session.draft_one() for _ in range(4)])
         assert chains[0] == chains[1]
+
+
+@pytest.mark.parametrize("feature", ["final", "fused"])
+def test_training_skips_rows_without_a_loss_exactly(tiny_rows, feature):
+    """The training loss skips the output projection and MLP of the rows no step has a loss on (the prompt's):
+    the loss and every gradient are those of the whole chain."""
+    target, rows = tiny_rows
+    batch = eagle_train.collate(rows, feature, 3, 8)
+    assert not batch[-1][:, :4].any()  # (prompt rows without a loss exist)
+    grads = []
+    for skip in (True, False):
+        torch.manual_seed(0)  # (the fused head's feature_in starts random)
+        head = _head(target, rows, feature).train()
+        if not skip:  # the whole chain: every row read
+            chain = head.chain
+            head.chain = lambda *a, rows=None, **k: chain(*a, **k)
+        loss, parts = eagle_train.chain_loss(head, batch, 3, 0.1)
+        loss.backward()
+        grads.append((loss.detach(), parts, {n: p.grad.clone() for n, p in head.named_parameters()}))
+    (loss_a, parts_a, grad_a), (loss_b, parts_b, grad_b) = grads
+    assert torch.allclose(loss_a, loss_b, atol=1e-6) and parts_a == parts_b
+    for name in grad_a:
+        assert torch.allclose(grad_a[name], grad_b[name], atol=1e-6, rtol=1e-5), name
