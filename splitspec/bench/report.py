@@ -7,6 +7,7 @@ Each figure names its JSON, the key path of its value in it, the date of the run
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,6 +37,8 @@ class Figure:
             return "yes" if value else "no"
         if isinstance(value, list):
             return str(len(value))
+        if isinstance(value, int):
+            return f"{value:,} {self.unit}".strip()
         return f"{value:.2f}{self.unit}" if self.unit == "x" else f"{value:g} {self.unit}".strip()
 
 
@@ -51,6 +54,11 @@ ENGINE = "docs/bench/bench-engine.json"
 LAYOUTS = "docs/bench/layouts/grpc.json"
 LAYOUTS_RUN = ("splitspec bench grpc --layouts colocated,disaggregated --timeline --prompts 8 --max-new-tokens 96 "
                "--policies 'server default,eagle k=1,eagle k=2,eagle adaptive sequential'")
+HEAD = "services/models/eagle_weights/eagle-final.json"  # the shipped head's report (splitspec drafter train)
+HEAD_DATE = "2026-12-07"
+HEAD_RUN = "splitspec drafter train --data data/drafter/default --variants final (in stages: the JSON's recipe)"
+STRUCTURED = "docs/bench/structured/openai-50-closed-objects-contended.json"
+STRUCTURED_RUN = "splitspec bench structured --schemas 50"
 LAYOUTS_LOAD = "docs/bench/layouts/load.json"
 LAYOUTS_LOAD_RUN = ("splitspec bench load --layouts colocated,disaggregated --concurrency 1,8 --prompts 8 "
                     "--max-new-tokens 64 --policies 'off,server default'")
@@ -65,6 +73,11 @@ FIGURES = [
            ("policies", "server default", "mean_accepted_length"), "", "2026-12-06", SPECBENCH_GRPC_RUN),
     Figure("the same: the EAGLE head alone, adaptive (the earlier default) / speculation off", SPECBENCH_GRPC,
            ("policies", "eagle adaptive sequential", "ratio_vs_off"), "x", "2026-12-06", SPECBENCH_GRPC_RUN),
+    Figure("the shipped EAGLE head, its run's report: Spec-Bench (48 first turns), k = 3 mean accepted length", HEAD,
+           ("variants", "final", "acceptance", "specbench", "k3", "mean_accepted_length"), "", HEAD_DATE, HEAD_RUN),
+    Figure("the same, held-out prompts", HEAD, ("variants", "final", "acceptance", "held_out", "k3",
+                                                "mean_accepted_length"), "", HEAD_DATE, HEAD_RUN),
+    Figure("the same: answer tokens it was trained on", HEAD, ("answer_tokens",), "", HEAD_DATE, HEAD_RUN),
     Figure("held-out prompts, 8 x 64 tokens, single stream: server default (hybrid) / speculation off", HELD_OUT_GRPC,
            ("policies", "server default", "ratio_vs_off"), "x", "2026-12-06", HELD_OUT_GRPC_RUN),
     Figure("the same: the EAGLE head alone, adaptive / speculation off", HELD_OUT_GRPC,
@@ -88,6 +101,10 @@ FIGURES = [
     Figure("32 streams: throughput / 1 stream, speculation off", LOAD,
            ("closed_loop", "off", "32", "throughput_vs_first"), "x", "2026-12-04", "splitspec bench load"),
     Figure("soak, 500 requests at 32 at once: nothing leaked", SOAK, ("ok",), "", "2026-12-06", "splitspec soak"),
+    Figure("structured outputs, 50 held-out schemas, the openai client: valid answers, server default", STRUCTURED,
+           ("valid", "server default"), "", "2026-12-07", STRUCTURED_RUN),
+    Figure("the same: answers identical to speculation off", STRUCTURED, ("identical",), "", "2026-12-07",
+           STRUCTURED_RUN),
 ]
 
 
@@ -95,7 +112,7 @@ def table(page: Path = PAGES[0], figures: list[Figure] = FIGURES) -> str:
     """The figures as a markdown table, their JSON linked relative to ``page``."""
     rows = ["| figure | value | date | command | JSON |", "| --- | ---: | --- | --- | --- |"]
     for f in figures:
-        link = f"[{Path(f.json).name}]({Path(f.json).relative_to(page.parent.relative_to(ROOT)).as_posix()})"
+        link = f"[{Path(f.json).name}]({Path(os.path.relpath(ROOT / f.json, page.parent)).as_posix()})"
         rows.append(f"| {f.what} | {f.shown()} | {f.date} | `{f.command}` | {link} |")
     return "\n".join(rows) + "\n"
 
