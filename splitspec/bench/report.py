@@ -57,7 +57,7 @@ LAYOUTS_RUN = ("splitspec bench grpc --layouts colocated,disaggregated --timelin
 HEAD = "services/models/eagle_weights/eagle-final.json"  # the shipped head's report (splitspec drafter train)
 HEAD_DATE = "2026-12-07"
 HEAD_RUN = "splitspec drafter train --data data/drafter/default --variants final (in stages: the JSON's recipe)"
-STRUCTURED = "docs/bench/structured/openai-50-closed-objects-contended.json"
+STRUCTURED = "docs/bench/structured/openai-50-closed.json"
 STRUCTURED_RUN = "splitspec bench structured --schemas 50"
 LAYOUTS_LOAD = "docs/bench/layouts/load.json"
 LAYOUTS_LOAD_RUN = ("splitspec bench load --layouts colocated,disaggregated --concurrency 1,8 --prompts 8 "
@@ -104,6 +104,8 @@ FIGURES = [
     Figure("structured outputs, 50 held-out schemas, the openai client: valid answers, server default", STRUCTURED,
            ("valid", "server default"), "", "2026-12-07", STRUCTURED_RUN),
     Figure("the same: answers identical to speculation off", STRUCTURED, ("identical",), "", "2026-12-07",
+           STRUCTURED_RUN),
+    Figure("the same: server default / speculation off", STRUCTURED, ("speedup_server_default",), "x", "2026-12-07",
            STRUCTURED_RUN),
 ]
 
