@@ -90,8 +90,8 @@ def _close(schema, pointer: str, open_refs: set[str], close: bool):
             out[key] = _close(out[key], f"{pointer}/{_escape(key)}", open_refs, True)
     for key in _LIST:
         if isinstance(out.get(key), list):
-            member_open = key == "allOf" or (key in ("anyOf", "oneOf") and _names_of_its_own(out))
-            out[key] = [_close(s, f"{pointer}/{key}/{i}", open_refs, not member_open) for i, s in enumerate(out[key])]
+            out[key] = [_close(s, f"{pointer}/{key}/{i}", open_refs, not _members_open(out, key))
+                        for i, s in enumerate(out[key])]
     for key in _MAP:
         if isinstance(out.get(key), dict):
             out[key] = {name: _close(s, f"{pointer}/{key}/{_escape(name)}", open_refs, True)
@@ -110,9 +110,13 @@ _COMBINED = ("allOf", "anyOf", "oneOf", "$ref", "if", "dependentSchemas", "depen
 _ANNOTATIONS = {"$ref", "title", "description", "$comment", "default", "examples", "deprecated"}
 
 
-def _names_of_its_own(schema: dict) -> bool:
-    """Whether an object schema admits names itself (its members must then leave them open)."""
-    return "properties" in schema or any(k in schema and schema[k] is not False for k in _OPENERS)
+def _members_open(schema: dict, key: str) -> bool:
+    """Whether the members of ``schema[key]`` stay open: ``allOf``'s always (a sibling may list the rest), ``anyOf``
+    / ``oneOf``'s when ``schema`` admits names of its own (``properties``, or an opener that is not false)."""
+    if key == "allOf":
+        return True
+    names_of_its_own = "properties" in schema or any(k in schema and schema[k] is not False for k in _OPENERS)
+    return key in ("anyOf", "oneOf") and names_of_its_own
 
 
 def _open_refs(schema) -> set[str]:
@@ -127,9 +131,8 @@ def _open_refs(schema) -> set[str]:
                 found.add(ref.rstrip("/") or "#")
             for key, value in node.items():
                 if key in ("allOf", "anyOf", "oneOf") and isinstance(value, list):
-                    member_open = key == "allOf" or _names_of_its_own(node)
                     for member in value:
-                        walk(member, member_open)
+                        walk(member, _members_open(node, key))
                 else:
                     walk(value, False)
         elif isinstance(node, list):

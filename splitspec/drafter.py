@@ -199,10 +199,7 @@ def init_stage(job: TrainJob) -> dict:
                          "`splitspec drafter train` does)")
     if report.get("target") != eagle_draft.target_identity(config_of(job.target)):
         raise SystemExit(f"--init: {path} was trained for another target than {job.target}")
-    from safetensors import safe_open
-
-    with safe_open(path, "pt") as f:
-        feature = json.loads(f.metadata()["config"])["feature"]
+    feature = eagle.head_config(path).feature
     if tuple(job.variants) != (feature,):
         raise SystemExit(f"--init: {path} is a {feature!r} head; it goes on as that variant alone (--variants {feature})")
     saved = report.get("job", {})
@@ -214,16 +211,16 @@ def init_stage(job: TrainJob) -> dict:
     return {"units": report["units"], "answer_tokens": report["answer_tokens"], "stages": stages}
 
 
-def training_units(job: TrainJob, data: Path) -> tuple[list[Path], int]:
-    """The units a run trains on, and their answer tokens: the first ones (by number) that hold ``job.tokens``, so
-    that runs over one data folder with growing ``--tokens`` give the curve of a head against its data."""
-    chosen, tokens = [], 0
+def training_units(job: TrainJob, data: Path) -> tuple[list[Path], list[int]]:
+    """The units a run trains on, and each one's answer tokens: the first ones (by number) that hold ``job.tokens``,
+    so that runs over one data folder with growing ``--tokens`` give the curve of a head against its data."""
+    chosen, counts = [], []
     for path in pipeline.unit_paths(data):
-        if tokens >= job.tokens:
+        if sum(counts) >= job.tokens:
             break
         chosen.append(path)
-        tokens += pipeline.answer_tokens(torch.load(path))
-    return chosen, tokens
+        counts.append(pipeline.answer_tokens(torch.load(path)))
+    return chosen, counts
 
 
 def featurize(job: TrainJob, units: list[Path], features: Path) -> list[Path]:
@@ -375,8 +372,8 @@ def run(args) -> int:
     pool = prompts(job, data, user)
     print(f"prompts: {len(pool)} first turns ({sum(1 for k, _ in pool if k == 'user')} yours)", flush=True)
     generate(job, data, pool)
-    units, tokens = training_units(job, data)
-    seen = sum(pipeline.answer_tokens(torch.load(p)) for p in pipeline.unit_paths(data)[: before["units"]])
+    units, counts = training_units(job, data)
+    tokens, seen = sum(counts), sum(counts[: before["units"]])
     if seen != before["answer_tokens"]:
         raise SystemExit(f"--init: the head's report says it saw {before['answer_tokens']} answer tokens in the first "
                          f"{before['units']} units, but those of {data} hold {seen}: another data folder?")

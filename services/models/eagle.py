@@ -117,16 +117,17 @@ class EagleHead(nn.Module):
         cos, sin = self.rope(positions)
         return self.rotate(q, cos[:, None], sin[:, None]), self.rotate(k, cos[:, None], sin[:, None]), v
 
-    def finish(self, z, attn):  # z: [B, L, h], attn: [B, H, L, d] -> h_out [B, L, h]
+    def finish(self, z, attn, rows=None):  # z: [B, L, h], attn: [B, H, L, d] -> h_out [B, L, h]
+        """The output projection and MLP; with ``rows`` [B, L] (bool) of those rows only (the others keep z)."""
         B, L, _ = z.shape
-        x = z + self.wo(attn.transpose(1, 2).reshape(B, L, -1))
-        return x + self.w_down(F.silu(self.w_gate(self.ln2(x))) * self.w_up(self.ln2(x)))
+        a = attn.transpose(1, 2).reshape(B, L, -1)  # [B, L, H d]
+        if rows is None:
+            return self._out(z, a)
+        return z.index_put((rows,), self._out(z[rows], a[rows]))
 
-    def finish_rows(self, z, attn, rows):  # ``finish`` of the rows [B, L] (bool) only; the others keep z
-        B, L, _ = z.shape
-        x = z[rows] + self.wo(attn.transpose(1, 2).reshape(B, L, -1)[rows])  # [N, h]
-        x = x + self.w_down(F.silu(self.w_gate(self.ln2(x))) * self.w_up(self.ln2(x)))
-        return z.index_put((rows,), x)
+    def _out(self, z, a):  # z: [..., h], a: [..., H d] -> [..., h]
+        x = z + self.wo(a)
+        return x + self.w_down(F.silu(self.w_gate(self.ln2(x))) * self.w_up(self.ln2(x)))
 
     def logits(self, h_out: torch.Tensor) -> torch.Tensor:  # [..., h] -> [..., N] over kept ids
         return self.norm_out(h_out) @ self.embed[self.kept_ids].t()
@@ -165,7 +166,7 @@ class EagleHead(nn.Module):
             diag = [(q * dk).sum(-1, keepdim=True) for dk in diag_k]  # each [B, H, L, 1]
             p = torch.softmax(torch.cat([scores, *diag], dim=-1) / math.sqrt(self.head_dim), dim=-1)
             attn = p[..., :L] @ ctx_v + sum(p[..., L + r, None] * dv for r, dv in enumerate(diag_v))
-            h_out = self.finish(z, attn) if rows is None else self.finish_rows(z, attn, rows)
+            h_out = self.finish(z, attn, rows)
             out.append(h_out)
             if not teacher_tokens:
                 drafted.append(self.kept_ids[self.logits(h_out).argmax(-1)])
@@ -224,13 +225,19 @@ def save_head(head: EagleHead, path, dtype: torch.dtype = torch.bfloat16):
     return path
 
 
-def load_head(target, path) -> EagleHead:
-    """A saved head (``save_head``) on ``target``'s frozen embeddings and LM-head rows."""
+def head_config(path) -> EagleConfig:
+    """A saved head's config (``save_head`` keeps it in the file's metadata), without reading its weights."""
     from safetensors import safe_open
-    from safetensors.torch import load_file
 
     with safe_open(path, "pt") as f:
-        cfg = EagleConfig(**json.loads(f.metadata()["config"]))
+        return EagleConfig(**json.loads(f.metadata()["config"]))
+
+
+def load_head(target, path) -> EagleHead:
+    """A saved head (``save_head``) on ``target``'s frozen embeddings and LM-head rows."""
+    from safetensors.torch import load_file
+
+    cfg = head_config(path)
     state = load_file(path)
     kept = state.pop("kept_ids").long()
     head = EagleHead(target, cfg, kept, state["feature_in.weight"].shape[1])
