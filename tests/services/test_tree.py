@@ -93,8 +93,8 @@ def test_tree_rows_score_what_their_paths_score_as_sequences(tiny, monkeypatch, 
     kept, expected = cache.buffer[..., : cache.seq_len, :], sequence.buffer[..., : sequence.seq_len, :]
     if compiled:
         assert torch.equal(kept, expected)
-    else:
-        torch.testing.assert_close(kept, expected)
+    else:  # a pass over 7 rows and one over 3 round differently (matmul blocking): one value in 10,240 was 7e-6 off
+        torch.testing.assert_close(kept, expected, rtol=1e-4, atol=1e-4)  # a wrong row kept is off by O(1)
 
 
 @pytest.mark.parametrize("k,width", [(1, 3), (2, 2), (3, 3), (4, 2)])
