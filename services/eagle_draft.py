@@ -40,6 +40,10 @@ logger = logging.getLogger(__name__)
 HEAD_FILE = "eagle_head.safetensors"
 HEAD_REPORT = "eagle_head.json"  # recipe, measured acceptance and c, and the target it was trained for
 IDENTITY_IGNORES = ("dtype", "torch_dtype", "_name_or_path", "transformers_version", "architectures")
+# The head reads the last this-many prompt positions. A long prompt cost its first proposal a pass over every position
+# (~0.3 s for 1,500 here, about a sixth of a 48-token answer), and acceptance does not need them: on Spec-Bench's
+# long-prompt categories the head, trained on short contexts, accepts as much with 128 or 256 (docs/journal/2026-12-07.md).
+PROMPT_WINDOW = 256
 
 
 def find(draft_dir: str | Path | None) -> Path | None:
@@ -95,6 +99,7 @@ class EagleDraftSession:
     context_g: torch.Tensor | None = None  # [1, h] the feature fed with the first draft token
     proposal: list[int] = field(default_factory=list)
     grammar: DraftGrammar = field(default_factory=lambda: DraftGrammar(None))  # a constrained request's (masks q)
+    skipped: int = 0  # prompt positions the head never reads (before its window)
 
     def __post_init__(self):
         self.state = self.state or eagle.HeadSession(self.head)
@@ -188,7 +193,7 @@ class EagleDraftSession:
 
     def _missing_features(self) -> int:
         """Accepted positions before the last whose feature the session lacks (< 0: it has one whose next token it lacks)."""
-        return len(self.tokens) - 1 - (self.state.length + self.unpaired.shape[0])
+        return len(self.tokens) - 1 - (self.skipped + self.state.length + self.unpaired.shape[0])
 
     def _catch_up(self):
         """Extend the head over the accepted positions it has not read: feature f_t with token x_{t+1} (a generator
@@ -208,16 +213,17 @@ class EagleDraftSession:
 def start_session(head: eagle.EagleHead, vocab_size: int, prompt_ids: Sequence[int], params: SamplingParams,
                   generator: torch.Generator, features: torch.Tensor | None,
                   grammar: DraftGrammar | None = None) -> EagleDraftSession:
-    """A session over the prompt; ``features`` [len(prompt), hidden] are the prefill's; ``grammar``: a constrained
-    request's (``DraftEngine.draft_grammar``)."""
+    """A session over the prompt; ``features`` [len(prompt), hidden] are the prefill's (the head reads the last
+    ``PROMPT_WINDOW``); ``grammar``: a constrained request's (``DraftEngine.draft_grammar``)."""
     if features is None:
         raise InvalidRequestError("the EAGLE drafter needs the prompt's target features (prefill with features=True)")
     if features.shape[0] != len(prompt_ids) or features.shape[1] != head.feature_dim:
         raise InvalidRequestError(
             f"prompt features have shape {tuple(features.shape)}, expected ({len(prompt_ids)}, {head.feature_dim})"
         )
-    return EagleDraftSession(head, vocab_size, list(prompt_ids), params, generator, features,
-                             grammar=grammar or DraftGrammar(None))
+    skipped = max(0, len(prompt_ids) - PROMPT_WINDOW)
+    return EagleDraftSession(head, vocab_size, list(prompt_ids), params, generator, features[skipped:].clone(),
+                             grammar=grammar or DraftGrammar(None), skipped=skipped)
 
 
 def start(engine, ids: list[int], params: SamplingParams, features: torch.Tensor | None) -> EagleDraftSession:

@@ -83,6 +83,33 @@ def test_forced_tokens_continue_the_chain(engines):
         draft.close(sid)
 
 
+def test_the_head_reads_the_last_window_of_a_long_prompt(tiny, engines, monkeypatch):
+    """A prompt longer than the head's window: the head reads its last PROMPT_WINDOW positions only (it drafts what a
+    session over that tail drafts), and greedy output is still the target alone's."""
+    target, _ = tiny
+    prefill, draft, verify = engines
+    monkeypatch.setattr(eagle_draft, "PROMPT_WINDOW", 3)
+    prompt, params = [1, 40, 41, 42, 43, 44, 45, 46], SamplingParams()
+    result = prefill.prefill(prompt, params, features=True)
+    draft.start("long", prompt, params, "eagle", result.features)
+    draft.start("tail", prompt[-3:], params, "eagle", result.features[-3:])
+    for sid in ("long", "tail"):
+        draft.accept(sid, 0, result.first_token)
+    long = draft.propose("long", 3)
+    assert long.token_ids == draft.propose("tail", 3).token_ids
+    draft.accept("long", 1, 7, features=torch.zeros(2, target.config.hidden_size))  # positions after the window read on
+    assert len(draft.propose("long", 2).token_ids) == 2
+    for sid in ("long", "tail"):
+        draft.close(sid)
+    accepted = 0
+    for prompt in PROMPTS:
+        result = generate(prefill, draft, verify, prompt, max_new_tokens=NEW_TOKENS, num_draft_tokens=3,
+                          params=params, drafter="eagle")
+        assert result.token_ids == greedy_reference(target.model, prompt, NEW_TOKENS), f"prompt {prompt}"
+        accepted += result.stats.accepted
+    assert accepted > 0
+
+
 def test_sampled_tokens_follow_the_target(tiny, engines):
     """With the first token fixed, the first verified token is distributed as the target's p (chi-square)."""
     target, _ = tiny
