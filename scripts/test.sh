@@ -9,7 +9,7 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 .venv/bin/splitspec models prepare
 
-IN_PROCESS=(tests/services tests/deployments tests/test_*.py)
+IN_PROCESS=(tests/test_*.py tests/services tests/deployments)  # (the longest files first: drafter training ~3 min)
 CLUSTERS=(tests/serving tests/observability)
 
 pytest_run() {
