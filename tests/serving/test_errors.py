@@ -17,6 +17,11 @@ pytestmark = pytest.mark.slow
 
 OK_PROMPT = [("user", "What is the capital of France?")]  # (role, content)
 OPENAI_PROMPT = [{"role": role, "content": content} for role, content in OK_PROMPT]
+# For a request whose third verify call holds: its answer runs past 64 tokens, so however many tokens a verify call
+# accepts (the server's drafters and policy adapt to load) the request reaches that call. (The short answer above can
+# come whole in two.)
+HELD_PROMPT = [("user", "Count from 1 to 100.")]
+OPENAI_HELD_PROMPT = [{"role": role, "content": content} for role, content in HELD_PROMPT]
 BAD = [
     (dict(prompt=""), "prompt is empty"),
     (dict(prompt="hi", messages=[("user", "hi")]), "not both"),
@@ -149,7 +154,7 @@ def test_client_deadline_frees_the_sessions(client, stream):
     """The client's deadline passes while the request's verify call holds: DEADLINE_EXCEEDED, and the request's draft
     and verify sessions are closed."""
     arm("Verify", "verify", "hold", after=2)
-    request = make_request(messages=OK_PROMPT, max_new_tokens=64, stream=stream)
+    request = make_request(messages=HELD_PROMPT, max_new_tokens=64, stream=stream)
     with pytest.raises(grpc.RpcError) as err:
         if stream:
             list(client.stub.GenerateStream(request, timeout=3))
@@ -168,9 +173,9 @@ def test_server_deadline_frees_the_sessions(client, stream):
     arm("Verify", "verify", "hold", after=2)
     with pytest.raises(grpc.RpcError) as err:
         if stream:
-            list(client.stream(messages=OK_PROMPT, max_new_tokens=64))
+            list(client.stream(messages=HELD_PROMPT, max_new_tokens=64))
         else:
-            client.generate(messages=OK_PROMPT, max_new_tokens=64)
+            client.generate(messages=HELD_PROMPT, max_new_tokens=64)
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert f"limits.request_timeout_s ({REQUEST_TIMEOUT_S}s)" in err.value.details()
     until("sessions closed, KV freed", open_sessions, done=lambda held: not any(held.values()))
@@ -183,7 +188,7 @@ def test_server_deadline_over_http(client, stream):
     """Over the OpenAI API the server's deadline is a 504 in OpenAI's error JSON, or, once a stream has begun, an error
     event and [DONE]; the sessions are closed."""
     arm("Verify", "verify", "hold", after=2)
-    body = {"messages": OPENAI_PROMPT, "max_tokens": 64, "temperature": 0, "stream": stream}
+    body = {"messages": OPENAI_HELD_PROMPT, "max_tokens": 64, "temperature": 0, "stream": stream}
     response = httpx.post(f"{client.http_base_url}/chat/completions", json=body, timeout=BOUND_S)
     expected = f"limits.request_timeout_s ({REQUEST_TIMEOUT_S}s)"
     if stream:
@@ -207,7 +212,7 @@ def test_http_client_gone_mid_stream_frees_the_sessions(client):
     the server's deadline), its draft and verify sessions are closed, and the service goes on."""
     before = _finished()
     arm("Verify", "verify", "hold", after=2)
-    body = {"messages": OPENAI_PROMPT, "max_tokens": 64, "temperature": 0, "stream": True}
+    body = {"messages": OPENAI_HELD_PROMPT, "max_tokens": 64, "temperature": 0, "stream": True}
     with httpx.stream("POST", f"{client.http_base_url}/chat/completions", json=body, timeout=BOUND_S) as response:
         assert response.status_code == 200
         until("the verify call held", lambda: held("Verify"))
