@@ -161,8 +161,10 @@ class LocalCluster:
         if self.nodes == 1:
             if self.gpus is not None:
                 head["num_gpus"] = self.gpus
-            context = ray.init(resources={resource_name(s): 1 for s in (*STAGES, INGRESS)}, log_to_driver=self.log_to_driver,
-                               **head)
+            # ("local": a cluster of its own, never the one another process started and named in
+            # /tmp/ray/ray_current_cluster, as a 3-node local cluster does)
+            context = ray.init("local", resources={resource_name(s): 1 for s in (*STAGES, INGRESS)},
+                               log_to_driver=self.log_to_driver, **head)
         else:
             from ray.cluster_utils import Cluster
 

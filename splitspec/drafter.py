@@ -81,7 +81,7 @@ def connect(address: str | None) -> None:
         ray.init(address=address, log_to_driver=False)
         return
     cluster.loopback_only()
-    ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False,
+    ray.init("local", num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False,  # (a cluster of its own)
              object_store_memory=cluster.OBJECT_STORE_BYTES * 2)
 
 

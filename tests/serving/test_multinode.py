@@ -1,5 +1,9 @@
 """`--nodes 3`: each stage runs on the node labelled for it, the KV crosses nodes by reference, the ingress never holds it."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 import ray
 from ray import serve
@@ -7,7 +11,7 @@ from ray.util.state import list_actors
 
 from deployments.config import STAGE_LABEL
 from splitspec.cluster import store_stats
-from tests.serving.conftest import PROMPTS, make_config, serving
+from tests.serving.conftest import BOUND_S, PROMPTS, make_config, serving
 
 pytestmark = pytest.mark.slow
 
@@ -51,3 +55,17 @@ def test_kv_crosses_nodes_by_reference(client, reference):
     assert created < min(h["kv_bytes"] for h in handoffs), created
 
 
+
+
+@pytest.mark.parametrize("start", ["splitspec.cluster.LocalCluster(dashboard=False).start()", "splitspec.drafter.connect(None)"],
+                         ids=["serve", "drafter train"])
+def test_a_local_cluster_started_beside_it_is_its_own(client, start):
+    """This 3-node cluster is the one /tmp/ray/ray_current_cluster names: `splitspec serve` and `splitspec drafter
+    train` started beside it without --address start a cluster of their own (joining it, Ray refused their CPU counts)."""
+    code = (f"import ray, splitspec.cluster, splitspec.drafter; {start}; "
+            "print(ray.get_runtime_context().gcs_address); ray.shutdown()")
+    env = {**os.environ, "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled")}
+    env.pop("RAY_ADDRESS", None)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=BOUND_S)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split()[-1] != ray.get_runtime_context().gcs_address
