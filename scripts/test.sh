@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Install, prepare the default model pair (cached), and run the whole test suite.
 #
-# The in-process tests (one torch thread each) run on two workers; the tests that start a local Ray cluster, which
-# uses every core, run after them one at a time. Arguments go to pytest; one that names tests (a path or node id)
-# runs just those, in one pytest run.
+# The tests that start a local Ray cluster run one at a time; beside them, at nice 18, the in-process tests (one torch
+# thread each) run on two workers: the cluster tests leave about half of two cores idle (processes starting, Serve's
+# control loop, polls), and at nice 18 the in-process tests take what they leave (test_priority needs one step to 19). Arguments go to pytest; one that
+# names tests (a path or node id) runs just those, in one pytest run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -12,9 +13,11 @@ bash scripts/setup.sh
 IN_PROCESS=(tests/test_*.py tests/services tests/deployments)  # (the longest files first: drafter training ~3 min)
 CLUSTERS=(tests/serving tests/observability)
 
-pytest_run() {
+pytest_run() {  # [--nice] pytest's arguments
+  local prefix=()
+  if [ "${1:-}" = "--nice" ]; then prefix=(nice -n 18); shift; fi
   set +e
-  .venv/bin/python -m pytest "$@"
+  "${prefix[@]}" .venv/bin/python -m pytest "$@"
   local status=$?
   set -e
   if [ "$status" -eq 5 ]; then
@@ -31,6 +34,13 @@ for arg in "$@"; do
   esac
 done
 status=0
-pytest_run -n 2 --dist loadfile "$@" "${IN_PROCESS[@]}" || status=$?
+in_process_log=$(mktemp)
+pytest_run --nice -n 2 --dist loadfile "$@" "${IN_PROCESS[@]}" >"$in_process_log" 2>&1 &
+in_process=$!
+echo "== tests that start a Ray cluster (the in-process tests run beside them; their output follows)"
 pytest_run --durations=15 "$@" "${CLUSTERS[@]}" || status=$?  # (the slowest cluster tests: where the time goes)
+wait "$in_process" || status=$?
+echo "== in-process tests"
+cat "$in_process_log"
+rm -f "$in_process_log"
 exit "$status"
