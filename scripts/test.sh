@@ -3,8 +3,8 @@
 #
 # The tests that start a local Ray cluster run one at a time; beside them, at nice 18, the in-process tests (one torch
 # thread each) run on two workers: the cluster tests leave about half of two cores idle (processes starting, Serve's
-# control loop, polls), and at nice 18 the in-process tests take what they leave (test_priority needs one step to 19). Arguments go to pytest; one that
-# names tests (a path or node id) runs just those, in one pytest run.
+# control loop, polls), and at nice 18 the in-process tests take what they leave (test_priority needs a step to 19).
+# Arguments go to pytest; one that names tests (a path or node id) runs just those, in one pytest run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
