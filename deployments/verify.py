@@ -279,7 +279,8 @@ class Verify(_Stage):
                                    policy=adaptive, overlap=policy.overlap, guesses=policy.guesses,
                                    tree_width=policy.tree_width, chained=isinstance(drafting, LocalDrafting),
                                    costs=self.costs[policy.drafter] if drafting is not None else None,
-                                   first_logprob=first_logprob, constrained=params.constraint is not None)
+                                   first_logprob=first_logprob,
+                                   grammar=self.engine.grammars.start(params.constraint) if spec.drafter else None)
             first = loop.advance()  # the first token goes out while the drafter starts
             outputs.put_nowait(first)
             emitted += first.token_ids

@@ -193,13 +193,19 @@ class DraftGrammar:
         return list(tokens[:n])
 
     def forced_run(self, after: Sequence[int], limit: int) -> list[int]:
-        """Up to ``limit`` tokens the grammar forces after the path and ``after``, each the only token it allows
-        after the ones before (the path is the same afterwards)."""
+        """Up to ``limit`` tokens the grammar forces after the path and ``after``: each the only token it allows
+        after the ones before, then the tokens of the bytes it forces where several tokens may cover them (` "`
+        before a string's value: likely, not certain). The path is the same afterwards."""
         if self.state is None or limit <= 0:
             return []
         self.push(after)
         run = []
         while len(run) < limit and (token := self.state.forced()) is not None:
+            run.append(token)
+            self.push([token])
+        for token in self.state.forced_bytes_tokens()[: limit - len(run)]:
+            if self.state.ended or not self.state.accepts(token):
+                break
             run.append(token)
             self.push([token])
         self.pop(len(run) + len(after))

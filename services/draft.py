@@ -377,11 +377,12 @@ class DraftEngine:
 
 def jump_forward(session, proposal: DraftProposal, forced: Sequence[int], limit: int) -> DraftProposal:
     """``proposal`` with up to ``limit`` more tokens after its chain: those a constrained request's grammar forces
-    there (SGLang's jump-forward decoding, as drafts). Each is the only token the grammar allows after the ones
-    before, so the target's masked distribution is certain of it: the verifier accepts it wherever it accepts the
-    chain before it, at any temperature (its q is one-hot, as the drafter's masked q would be), and it costs no
-    drafter step. The session's ``proposal`` gets them too; a session without a grammar (or an unconstrained
-    request's) proposes what it proposed."""
+    there (SGLang's jump-forward decoding, as drafts: ``DraftGrammar.forced_run``). Most are the only token the
+    grammar allows after the ones before, so the target's masked distribution is certain of them: the verifier
+    accepts them wherever it accepts the chain before, at any temperature; the last may be the usual token of bytes
+    the grammar forces (` "`), verified as any draft. Their q is one-hot (they follow from the chain, whatever the
+    drafter's distribution), and they cost no drafter step. The session's ``proposal`` gets them too; a session
+    without a grammar (or an unconstrained request's) proposes what it proposed."""
     grammar = getattr(session, "grammar", None)
     if grammar is None or grammar.state is None:
         return proposal

@@ -265,6 +265,15 @@ class GrammarState:
             return None
         return int(words[0]) * BITS + word.bit_length() - 1
 
+    def forced_bytes_tokens(self) -> list[int]:
+        """Where the grammar forces bytes yet allows several tokens (their own token and tokens that go on past them,
+        as ` "` and ` "book` before a string's value), those bytes as the tokenizer writes them: the model's usual
+        tokens there, a good draft but no certainty ([] where nothing is forced)."""
+        if self._eos_at is not None:
+            return []
+        forced = self._matcher.compute_ff_bytes()
+        return list(self.compiler._lltok.tokenize_bytes(forced)) if forced else []
+
     def accepts(self, token: int) -> bool:
         """Whether the mask allows ``token`` next (what the target and the drafter may sample)."""
         if not 0 <= token < self.compiler.vocab_size:

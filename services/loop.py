@@ -40,8 +40,10 @@ from typing import NamedTuple
 import torch
 
 from services import drafters
+from services.constraint import DraftGrammar
 from services.draft import DraftEngine, DraftProposal
 from services.drafters import MODEL_DRAFTER
+from services.grammar import GrammarState
 from services.logprobs import TokenLogprob
 from services.policy import AdaptiveK, CostModel, decide
 from services.prefill import PrefillEngine
@@ -182,7 +184,8 @@ class SpeculativeLoop:
     def __init__(self, first_token: int, *, max_new_tokens: int, eos: set[int], num_draft_tokens: int,
                  drafting: bool, policy: AdaptiveK | None = None, overlap: bool = False, guesses: int = 1,
                  stats: SpeculationStats | None = None, tree_width: int = 1, chained: bool = False,
-                 costs: CostModel | None = None, first_logprob: TokenLogprob | None = None, constrained: bool = False):
+                 costs: CostModel | None = None, first_logprob: TokenLogprob | None = None,
+                 grammar: GrammarState | None = None):
         self.first_token = first_token
         self.first_logprob = first_logprob  # the first token's, where the request asks for logprobs
         self.max_new_tokens = max_new_tokens
@@ -199,8 +202,11 @@ class SpeculativeLoop:
         # a step that drafts asks for its proposal and the verification of its drafts in one round
         # (Calls.verify_proposal): where the drafter runs next to the target, one engine call a step instead of two
         self.chained = chained
-        # a structured-output request: its steps ask for the tokens its grammar forces after their drafts (jump)
-        self.constrained = constrained
+        # a structured-output request that speculates: its grammar at the answer's start, which the loop follows along
+        # the answer. Its steps ask the drafter for the tokens the grammar forces after their drafts (jump); a step
+        # that drafts nothing (k = 0, or no drafter: declined, or drafting failed) verifies the tokens it forces itself
+        self.grammar = DraftGrammar(grammar) if grammar is not None else None
+        self.constrained = grammar is not None
         self.stats = stats if stats is not None else SpeculationStats()  # filled as the loop runs
         self._steps = None
         self._resume = False
@@ -231,6 +237,8 @@ class SpeculativeLoop:
             yield step
             if step.finish_reason:
                 return
+            if self.grammar is not None:
+                self.grammar.accept(step.token_ids)
             if self._resume and not self.drafting:  # a fresh draft session: it continues from the last token
                 self.drafting, accepts, block, block_probs, caught_up = True, [Accept(0, step.token_ids[-1])], [], None, False
                 parents = None
@@ -269,6 +277,10 @@ class SpeculativeLoop:
                         parents, jumped = results.proposal.parents, results.proposal.jumped
                         accepts = []
                 caught_up = k > 0
+            own_jump = 0  # tokens of this step's block the grammar forced where nothing was drafted (jump_forward's)
+            if self.grammar is not None and not block and pre_draft is None and not verified and remaining > 1:
+                block = self.grammar.forced_run([], min(MAX_JUMP, remaining - 1))
+                own_jump = jumped = len(block)
             if not verified:
                 results = yield Calls(propose=pre_draft, verify=Verify(block, block_probs, parents))
             calls_s = None if pre_draft is not None else calls_s + results.verify_s  # overlapped calls: not comparable
@@ -283,7 +295,7 @@ class SpeculativeLoop:
             if self.drafting:  # the drafter catches up with this verdict at its next proposal
                 if pre_draft is not None:
                     accepts = []
-                accepts += drafter_accepts(verdict, chain)
+                accepts += drafter_accepts(verdict, chain) if not own_jump else one_by_one(verdict)
             step = StepOutput(verdict.token_ids, len(block), verdict.n_matches, verdict.accepted,
                               logprobs=verdict.logprobs)
             block, block_probs, parents = [], None, None
@@ -313,6 +325,13 @@ def drafter_accepts(verdict: VerifyResult, chain: int) -> list[Accept]:
     features, ids = verdict.features, verdict.token_ids  # [n_matches + 1, hidden], [n_matches + 1]
     rows = lambda start, stop: features[start:stop] if features is not None else None  # noqa: E731
     return [Accept(m, ids[m], rows(0, m + 1))] + [Accept(0, ids[j], rows(j, j + 1)) for j in range(m + 1, len(ids))]
+
+
+def one_by_one(verdict: VerifyResult) -> list[Accept]:
+    """A verdict on tokens the drafter did not propose (the grammar's, at a step that drafted nothing), as the
+    drafter takes it: each token after the one before, with its row of the target's features."""
+    features, ids = verdict.features, verdict.token_ids  # [n_matches + 1, hidden], [n_matches + 1]
+    return [Accept(0, token, features[j : j + 1] if features is not None else None) for j, token in enumerate(ids)]
 
 
 def finish_step(step: StepOutput, generated: int, max_new_tokens: int, eos: set[int]) -> tuple[StepOutput, int]:
@@ -394,7 +413,7 @@ def speculative_decode(
                                num_draft_tokens=num_draft_tokens, drafting=draft is not None, policy=policy,
                                overlap=decided.overlap, guesses=guesses or decided.guesses, stats=stats,
                                tree_width=decided.tree_width, chained=chained, first_logprob=first_logprob,
-                               constrained=params.constraint is not None)
+                               grammar=verify.grammars.start(params.constraint) if draft is not None else None)
         yield from drive(loop, draft, verify, request_id, pool)
     finally:
         if pool is not None:

@@ -111,6 +111,54 @@ def test_greedy_with_speculation_equals_speculation_off(default_pair, engines, r
     assert verify.checked > before and (accepted > 0 or drafter == "prompt_lookup")
 
 
+@pytest.mark.slow
+def test_steps_that_draft_nothing_verify_the_tokens_the_grammar_forces(default_pair, engines, references):
+    """Every step at k = 0 (the policy overloaded): each verifies the tokens the grammar forces after the answer so
+    far (the keys, quotes and separators of a JSON object), with no drafter call, and the answers are the same."""
+    from services.policy import AdaptiveK, CostModel
+
+    target, _ = default_pair
+    prefill, draft, verify = engines
+    jumped = 0
+    for schema, question, reference in zip(SCHEMAS, QUESTIONS, references):
+        policy = AdaptiveK(CostModel(), load=lambda: 2, max_load=1)  # overloaded: k = 0 at every step
+        result = generate(prefill, draft, verify, chat(target.tokenizer, question), max_new_tokens=NEW_TOKENS,
+                          num_draft_tokens=3, params=constrained(schema), drafter="eagle", policy=policy)
+        assert result.token_ids == reference.token_ids, json.dumps(schema)
+        assert policy.counts.reached == []  # the drafter drafted nothing
+        jumped += result.stats.accepted
+    assert jumped >= 10  # (schema 0 alone forces `{"name": "`, `", "age": `)
+
+
+def test_a_step_that_drafts_nothing_verifies_the_forced_tokens():
+    """With no drafter (drafting off) the loop follows the grammar along the emitted tokens and puts the tokens it
+    forces in the step's verify block, one-hot: after `{"` under a schema of one required key, the key, `":` and the
+    usual token of the forced ` "` (` "book` would be allowed too)."""
+    from transformers import AutoTokenizer
+
+    from services.grammar import GrammarCompiler
+    from services.loop import Results, SpeculativeLoop
+    from services.models import default_pair as dp
+    from services.verify import VerifyResult
+
+    tokenizer = AutoTokenizer.from_pretrained(dp.target_dir())
+    compiler = GrammarCompiler(tokenizer, vocab_size=len(tokenizer), eos_token_ids=[tokenizer.eos_token_id])
+    schema = {"type": "object", "properties": {"category": {"type": "string"}}, "required": ["category"],
+              "additionalProperties": False}
+    state = compiler.json_schema(schema).start()
+    first = state.forced()  # `{"`
+    loop = SpeculativeLoop(first, max_new_tokens=32, eos={tokenizer.eos_token_id}, num_draft_tokens=3, drafting=False,
+                           grammar=compiler.json_schema(schema).start())
+    assert loop.advance().token_ids == [first]
+    calls = loop.advance()
+    assert calls.propose is None and calls.verify.probs is None and calls.verify.parents is None
+    assert tokenizer.decode([first, *calls.verify.draft_ids]) == '{"category": "'
+    run, bonus = calls.verify.draft_ids, tokenizer.encode("Books", add_special_tokens=False)[0]
+    step = loop.advance(Results(verdict=VerifyResult([*run, bonus], len(run), [True] * len(run))))
+    assert step.token_ids == [*run, bonus] and step.n_drafted == step.n_matches == len(run)
+    assert loop.advance().verify.draft_ids == []  # inside the string value the grammar forces nothing
+
+
 @pytest.fixture(scope="module")
 def random_engines(tmp_path_factory, default_pair):
     """A small random pair with the default target's tokenizer, and a random EAGLE head over the whole vocabulary:
@@ -235,9 +283,10 @@ def test_masked_argmax_is_the_argmax_of_the_masked_logits(default_pair):
 @pytest.mark.parametrize("drafter", ["model", "eagle", "hybrid", "prompt_lookup"])
 @pytest.mark.parametrize("params", [{}, {"temperature": 1.0, "seed": 5}], ids=["greedy", "sampled"])
 def test_the_tokens_the_grammar_forces_follow_the_chain_and_are_accepted(default_pair, engines, drafter, params):
-    """After ``{"`` the schema forces ``name":``: a proposal of one token (the drafter's own) goes on with the tokens
-    the grammar forces after it, each the only one its mask allows, free (jump_forward); the verifier accepts every
-    one of them, greedy and sampled (the masked target is certain of each; their q is one-hot)."""
+    """After ``{"`` the schema forces ``name": "``: a proposal of one token (the drafter's own) goes on with the tokens
+    the grammar forces after it, free (jump_forward): each the only one its mask allows, which the verifier accepts,
+    greedy and sampled (the masked target is certain of each; their q is one-hot), then ` "`, the usual token of the
+    forced bytes that ` "Jo` could cover too (a one-hot draft like the others, not certain)."""
     target, _ = default_pair
     prefill, draft, verify = engines
     prompt, params = chat(target.tokenizer, QUESTIONS[0]), constrained(SCHEMAS[0], **params)
@@ -251,20 +300,36 @@ def test_the_tokens_the_grammar_forces_follow_the_chain_and_are_accepted(default
     state.advance(first)
     chain = len(proposal.token_ids) - proposal.jumped  # the drafter's own: at most 1 (prompt lookup: none)
     state.advance_many(proposal.token_ids[:chain])
-    for token in proposal.token_ids[chain:]:  # each the one token the grammar allows after the ones before
+    for token in proposal.token_ids[chain:-1]:  # each the one token the grammar allows after the ones before
         assert state.forced() == token
         state.advance(token)
-    assert proposal.jumped >= 1 and chain <= 1
-    assert target.tokenizer.decode([first, *proposal.token_ids]) == '{"name":'  # (then ' "' may begin ' "Jo...')
+    assert state.forced() is None and state.forced_bytes_tokens() == proposal.token_ids[-1:]
+    assert proposal.jumped >= 2 and chain <= 1
+    assert target.tokenizer.decode([first, *proposal.token_ids]) == '{"name": "'
     if proposal.probs is not None:  # a sampled chain's q: one-hot rows for the forced tokens
         assert proposal.probs.shape[0] == len(proposal.token_ids)
         assert torch.equal(proposal.probs[chain:].argmax(-1), torch.tensor(proposal.token_ids[chain:]))
         assert torch.equal(proposal.probs[chain:].sum(-1), torch.ones(proposal.jumped))
     verdict = verify.verify("j", proposal.token_ids, proposal.probs)
-    assert verdict.n_matches == len(proposal.token_ids)  # every position here is forced: each draft is accepted
+    assert verdict.n_matches >= len(proposal.token_ids) - 1  # every position but the last is forced: accepted
     draft.accept("j", verdict.n_matches, verdict.token_ids[-1], verdict.features)
     verify.close("j")
     draft.close("j")
+
+
+class FreeGrammar:
+    """A grammar state that allows every token and forces none (the loop's view of one)."""
+
+    ended = False
+
+    def advance(self, token: int) -> None:
+        pass
+
+    def rollback(self, n: int) -> None:
+        pass
+
+    def forced(self) -> None:
+        return None
 
 
 @pytest.mark.parametrize("constrained", [False, True])
@@ -276,7 +341,7 @@ def test_only_a_constrained_request_asks_for_the_grammar_s_tokens(constrained):
 
     for max_new_tokens, width in ((64, 1), (64, 3), (6, 1), (6, 3)):
         loop = SpeculativeLoop(5, max_new_tokens=max_new_tokens, eos={0}, num_draft_tokens=3, drafting=True,
-                               tree_width=width, constrained=constrained)
+                               tree_width=width, grammar=FreeGrammar() if constrained else None)
         assert loop.advance().token_ids == [5]  # the first token
         propose, remaining = loop.advance().propose, max_new_tokens - 1
         fits = width if tree_rows(3, width) <= remaining else 1
