@@ -88,6 +88,13 @@ def cmd_bench_structured(args) -> int:
             client.wait_ready()
             report = structured.run(base_url, default_pair.target_dir().name, n=args.schemas,
                                     max_tokens=args.max_new_tokens, tokenizer_dir=str(default_pair.target_dir()))
+            report["grpc"] = structured.run_grpc(client, n=args.schemas, max_tokens=args.max_new_tokens)
+            report["grpc"]["identical_to_openai"] = sum(
+                len({*answers.values(), row["answers"]["off"]["text"]}) == 1
+                for answers, row in zip(report["grpc"].pop("texts"), report["rows"]))
+            print(f"through gRPC: valid {report['grpc']['valid']}, identical {report['grpc']['identical']} (and to the "
+                  f"openai client's: {report['grpc']['identical_to_openai']}), server default / off "
+                  f"{report['grpc']['speedup_server_default']:.2f}x ({report['grpc']['tok_s']})")
             if args.neighbours:
                 report["neighbours"] = structured.neighbours(client, bench_grpc.prompts_of("held_out")[:8],
                                                              structured.schemas(1)[0][1], plain=args.neighbours)
@@ -98,6 +105,7 @@ def cmd_bench_structured(args) -> int:
           f"({report['tok_s']}); masks of a k = 3 pass: {report['mask_ms_per_pass_k3']['median']} ms median against "
           f"{report['step_ms_off']} ms a token with speculation off")
     ok = report["identical"] == args.schemas and all(v == args.schemas for v in report["valid"].values())
+    ok = ok and report["grpc"]["identical"] == args.schemas and all(v == args.schemas for v in report["grpc"]["valid"].values())
     return _write_report(args, report, ok=ok)
 
 

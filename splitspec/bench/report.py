@@ -107,6 +107,8 @@ FIGURES = [
            STRUCTURED_RUN),
     Figure("the same: server default / speculation off", STRUCTURED, ("speedup_server_default",), "x", "2026-12-07",
            STRUCTURED_RUN),
+    Figure("the same schemas through gRPC: server default / speculation off", STRUCTURED,
+           ("grpc", "speedup_server_default"), "x", "2026-12-07", STRUCTURED_RUN),
 ]
 
 

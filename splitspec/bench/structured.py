@@ -1,7 +1,7 @@
 """`splitspec bench structured`: structured outputs through the real `openai` client, speculation off against the
 server's default side by side (greedy), on held-out schemas made here (``schemas``: seeded, none from a training
 set): how many answers are valid for their schema, whether speculation changed any, the speed ratio, and the
-grammar's mask time per verify pass against the target's step. Then the neighbours (``neighbours``): plain
+grammar's mask time per verify pass against the target's step. The same through gRPC (``run_grpc``). Then the neighbours (``neighbours``): plain
 streams beside one constrained stream, against the same streams beside one plain stream, through gRPC.
 """
 
@@ -100,6 +100,37 @@ def run(base_url: str, model: str, *, n: int, max_tokens: int, tokenizer_dir: st
         "step_ms_off": round(1000 / tok_s["off"], 2),  # (an upper bound on a target step: off's time per token)
         "rows": rows,
     }
+
+
+def run_grpc(client, *, n: int, max_tokens: int) -> dict:
+    """The same schemas through gRPC (``json_schema``, greedy), speculation off against the server default side by
+    side: valid answers, answers identical to the openai client's, and the speed ratio."""
+    import jsonschema
+
+    policies = {"off": False, "server default": None}  # (SpecDecodeClient's speculate)
+    seconds = {p: 0.0 for p in policies}
+    tokens = {p: 0 for p in policies}
+    valid = {p: 0 for p in policies}
+    texts = []
+    for i, (prompt, schema) in enumerate(schemas(n)):
+        answers = {}
+        for name in (list(policies) if i % 2 == 0 else list(policies)[::-1]):  # alternate who goes first
+            start = time.perf_counter()
+            response = client.generate(messages=[("user", prompt)], max_new_tokens=max_tokens,
+                                       json_schema=json.dumps(schema), speculate=policies[name])
+            seconds[name] += time.perf_counter() - start
+            tokens[name] += response.usage.completion_tokens
+            answers[name] = response.text
+            try:
+                jsonschema.validate(json.loads(response.text), schema)
+                valid[name] += 1
+            except (ValueError, jsonschema.ValidationError):
+                pass
+        texts.append(answers)
+    tok_s = {p: tokens[p] / seconds[p] for p in policies}
+    return {"valid": valid, "identical": sum(len(set(a.values())) == 1 for a in texts),
+            "tok_s": {p: round(v, 2) for p, v in tok_s.items()},
+            "speedup_server_default": round(tok_s["server default"] / tok_s["off"], 3), "texts": texts}
 
 
 def mask_cost(json_schemas: list[dict], answers: list[str], tokenizer_dir: str) -> dict:
