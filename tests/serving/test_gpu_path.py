@@ -1,7 +1,7 @@
 """The GPU stages' verifier in the serving graph, on the CPU: a bfloat16 deployment verifies with the batch-invariant
 forward (services.batch_invariant; the compact forward is exact in float32 only), concurrent sessions sharing its
-passes in slots, and greedy output through gRPC is the target alone's (speculation off) token for token, one request
-at a time and several at once."""
+passes in slots, and greedy output through gRPC is the target alone's (speculation off) token for token, with several
+sessions at once: three on two slots, so that passes take one session or two."""
 
 import concurrent.futures
 
@@ -49,8 +49,8 @@ def test_greedy_equals_target_alone_when_sessions_share_passes(client, alone, po
     def ask(prompt):
         return list(client.generate(messages=[("user", prompt)], max_new_tokens=MAX_NEW_TOKENS, **policy).token_ids)
 
-    for prompt in alone:  # one at a time
-        assert ask(prompt) == alone[prompt], prompt
+    # (no run one at a time before: the slower half of this module on CI, where bfloat16 is emulated; a pass of one
+    # session happens here too, and test_batch_invariant.py checks the forward itself in-process)
     with concurrent.futures.ThreadPoolExecutor(len(alone)) as pool:  # at once: their steps share verify passes
         answers = dict(zip(alone, pool.map(ask, list(alone))))
     assert answers == alone
