@@ -94,19 +94,33 @@ def masked(logits: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor: 
     return logits if allowed is None else mask_logits(logits, allowed)
 
 
-def masked_argmax(ids: torch.Tensor, allowed: torch.Tensor | None, features: torch.Tensor, head_logits) -> torch.Tensor:
+# a forbidden row whose grammar allows at most this many ids takes their logits alone (``head_logits_at``), not the
+# full head's: at a JSON object's punctuation and keys, where the model's own argmax is most often forbidden, it is 1-2
+FEW_ALLOWED = 64
+
+
+def masked_argmax(ids: torch.Tensor, allowed: torch.Tensor | None, features: torch.Tensor, runner) -> torch.Tensor:
     """The argmax of each row's masked logits, from its argmax ``ids`` [n] (``FastLlamaRunner.argmax``'s screen,
     cheaper than the logits): a row whose argmax the grammar allows (``allowed`` [n, V] bool) keeps it (the masked
-    argmax is then the same id), the others take it from their own logits (``head_logits`` of their ``features``
-    [n, hidden]). A pass over a constrained greedy session costs its neighbours no full logits where the grammar
-    agrees with the model."""
+    argmax is then the same id); a row whose grammar allows one id takes it; the others take the argmax of their
+    allowed ids' logits (the runner's ``head_logits_at(features [1, hidden], ids [a] ascending) -> [1, a]``, the bits
+    of the full head's) where they are few, of the masked ``head_logits`` [1, V] elsewhere. Ties go to the lowest id, as ``argmax`` of the masked
+    logits gives them. A pass over a constrained greedy session costs its neighbours no full logits where the
+    grammar agrees with the model or leaves it a few ids."""
     if allowed is None:
         return ids
     forbidden = ~allowed[torch.arange(ids.shape[0]), ids]  # [n]
     if not bool(forbidden.any()):
         return ids
     ids = ids.clone()
-    ids[forbidden] = mask_logits(head_logits(features[forbidden]), allowed[forbidden]).argmax(-1)
+    for row in forbidden.nonzero().flatten().tolist():
+        allowed_ids = allowed[row].nonzero().flatten()  # [a] ascending
+        if allowed_ids.numel() == 1:
+            ids[row] = allowed_ids[0]
+        elif allowed_ids.numel() <= FEW_ALLOWED:
+            ids[row] = allowed_ids[runner.head_logits_at(features[row:row + 1], allowed_ids)[0].argmax()]
+        else:
+            ids[row] = mask_logits(runner.head_logits(features[row:row + 1]), allowed[row:row + 1]).argmax(-1)[0]
     return ids
 
 

@@ -329,6 +329,17 @@ class FastLlamaRunner:
         """The logits of final-norm features (forward_batch's), the same bits as the pass gives each row."""
         return self._head(features)
 
+    def head_logits_at(self, features: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:  # [m, hidden], [a] -> [m, a]
+        """``head_logits(features)[:, token_ids]``, the same bits, from those ids' weights alone where the kernel
+        computes the head (``kernels.skinny_gemm`` computes each output on its own: from 0, one fused multiply-add per
+        input, in order, whatever outputs share the call); a masked argmax over a few allowed ids
+        (services.constraint.masked_argmax) then costs a few of the head's 49k dot products."""
+        if (self.head.packed is None or self.kept_ids is not None or Linear.forced_variant is not None
+                or features.shape[0] > kernels.SKINNY_MAX_ROWS):
+            return self.head_logits(features)[:, token_ids]
+        weight = self.head.weight_t[:, token_ids].t()  # [a, hidden]
+        return kernels.skinny_gemm()(features, kernels.pack_weight(weight, self.head.packed.dtype), len(token_ids)).float()
+
     def _head(self, features: torch.Tensor) -> torch.Tensor:  # [m, hidden] -> [m, vocab_size] float32
         logits = self.head(features).float()  # [m, N kept or vocab_size]
         return logits if self.kept_ids is None else scatter_kept(logits, self.kept_ids, self.vocab_size)

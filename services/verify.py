@@ -182,7 +182,7 @@ class VerifyEngine:
                     raise allowed
                 # the target's logits as the grammar allows them (p is masked); argmax ids: of the masked logits
                 if allowed is not None and logits.dim() == 1:  # (argmax ids: screens_masked_rows)
-                    logits = masked_argmax(logits, allowed, features[-logits.shape[0]:], self.runner.head_logits)
+                    logits = masked_argmax(logits, allowed, features[-logits.shape[0]:], self.runner)
                 else:
                     logits = masked(logits, allowed)
                 results[slot] = self._verdict(call, session, draft, tree, start, logits, features)

@@ -160,38 +160,51 @@ def mask_cost(json_schemas: list[dict], answers: list[str], tokenizer_dir: str) 
             "passes": len(times)}
 
 
-def neighbours(client, prompts: list[str], schema: dict, *, plain: int = 3, requests: int = 12, rounds: int = 2,
-               max_new_tokens: int = 48) -> dict:
+def neighbours(client, prompts: list[str], schema: dict, *, plain: int = 3, requests: int = 12, rounds: int = 4,
+               max_new_tokens: int = 48, policy: dict | None = None) -> dict:
     """``plain`` closed-loop streams (the server default, greedy) while one more stream loops beside them, that one
-    constrained by ``schema`` or not (as long), alternating ``rounds`` times: the plain streams' time per output token (p50,
+    constrained by ``schema`` or not (as long), alternating ``rounds`` times (ABBA): the plain streams' time per output token (p50,
     ms) with each neighbour, and their ratio (constrained / plain neighbour: > 1 is the slowdown a constrained
     request causes its neighbours beyond the load of any request)."""
     from splitspec.bench import load
 
     tpot: dict[str, list[float]] = {"plain": [], "constrained": []}
+    # what each kind of neighbour asked of the verifier: requests, tokens, verify steps, draft rows, seconds
+    work = {kind: dict(requests=0, tokens=0, steps=0, drafted=0, seconds=0.0) for kind in tpot}
     question = [("user", "Describe a book as JSON.")]
     # the plain neighbour answers as many tokens as the constrained one (greedy: the same answer each time), so that
     # both start requests (prefills) as often
     length = len(client.generate(messages=question, max_new_tokens=max_new_tokens, json_schema=json.dumps(schema)).token_ids)
-    for _ in range(rounds):
-        for kind in ("plain", "constrained"):
+    segments = []  # (kind, p50 ms) in the order run
+    for round_ in range(rounds):
+        # ABBA: a drift of the machine's speed over the run weighs on both kinds alike
+        for kind in ("plain", "constrained")[:: 1 if round_ % 2 == 0 else -1]:
             done = threading.Event()
             asks = (dict(json_schema=json.dumps(schema), max_new_tokens=max_new_tokens) if kind == "constrained"
-                    else dict(max_new_tokens=length))
+                    else dict(max_new_tokens=length)) | (policy or {})
 
-            def neighbour(asks=asks, done=done):
+            def neighbour(asks=asks, done=done, mine=work[kind]):
                 while not done.is_set():
-                    for _ in client.stream(messages=question, **asks):
-                        pass
+                    for chunk in client.stream(messages=question, **asks):
+                        if chunk.HasField("usage"):
+                            stats = chunk.speculation_stats
+                            mine["requests"] += 1
+                            mine["tokens"] += chunk.usage.completion_tokens
+                            mine["steps"] += stats.steps
+                            mine["drafted"] += stats.drafted
 
             thread = threading.Thread(target=neighbour, daemon=True)
             thread.start()
-            outcomes, _ = load.closed_loop(client, prompts, {}, concurrency=plain, num_requests=requests,
+            outcomes, seconds = load.closed_loop(client, prompts, {}, concurrency=plain, num_requests=requests,
                                            max_new_tokens=max_new_tokens)
             done.set()
             thread.join()
-            tpot[kind] += [t for o in outcomes if o.status == "OK" and (t := load.tpot_s(o)) is not None]
+            work[kind]["seconds"] += seconds
+            these = [t for o in outcomes if o.status == "OK" and (t := load.tpot_s(o)) is not None]
+            tpot[kind] += these
+            segments.append((kind, round(statistics.median(these) * 1000, 2)))
     p50 = {kind: statistics.median(values) * 1000 for kind, values in tpot.items()}
     return {"plain_streams": plain, "requests_per_round": requests, "rounds": rounds,
             "tpot_p50_ms": {k: round(v, 2) for k, v in p50.items()},
-            "slowdown": round(p50["constrained"] / p50["plain"], 3)}
+            "slowdown": round(p50["constrained"] / p50["plain"], 3),
+            "segments": segments, "neighbour": {kind: {**w, "seconds": round(w["seconds"], 1)} for kind, w in work.items()}}

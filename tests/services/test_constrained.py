@@ -8,7 +8,7 @@ import jsonschema
 import pytest
 import torch
 
-from services.constraint import Constraint, Grammars, masked_argmax
+from services.constraint import FEW_ALLOWED, Constraint, Grammars, masked_argmax
 from services.draft import DraftEngine
 from services.eagle_draft import installed_head
 from services.errors import InvalidGrammarError
@@ -263,8 +263,9 @@ def test_a_forbidden_draft_is_rejected_not_an_error(default_pair, params):
 
 def test_masked_argmax_is_the_argmax_of_the_masked_logits(default_pair):
     """A constrained greedy row takes the argmax screen (services.constraint.masked_argmax): where the grammar allows
-    the row's argmax it is kept, elsewhere the row's own logits are masked; either way the id is the argmax of the
-    masked logits, as from the full logits (rows whose argmax is forbidden included)."""
+    the row's argmax it is kept, elsewhere the row's own logits are masked (a few allowed ids: theirs alone, the same
+    bits); either way the id is the argmax of the masked logits, as from the full logits (rows whose argmax is
+    forbidden included)."""
     target, _ = default_pair
     runner = VerifyEngine(target).runner
     assert runner.screens_masked_rows  # (the compact forward: the default pair's)
@@ -273,11 +274,18 @@ def test_masked_argmax_is_the_argmax_of_the_masked_logits(default_pair):
     logits = runner.head_logits(features)  # [8, V]
     ids = runner.argmax(features)
     assert torch.equal(ids, logits.argmax(-1))
-    allowed = torch.rand(logits.shape, generator=torch.Generator().manual_seed(0)) < 0.5  # [8, V]
+    generator = torch.Generator().manual_seed(0)
+    allowed = torch.rand(logits.shape, generator=generator) < 0.5  # [8, V]
+    # rows 5 and 7: a few ids (at a JSON object's punctuation: their logits alone); row 3: one id
+    for row, few in ((3, 1), (5, 3), (7, FEW_ALLOWED)):
+        allowed[row] = False
+        allowed[row, torch.randperm(logits.shape[1], generator=generator)[:few]] = True
     allowed[torch.arange(8), ids] = torch.arange(8) % 2 == 0  # odd rows: the argmax is forbidden
-    got = masked_argmax(ids, allowed, features, runner.head_logits)
+    got = masked_argmax(ids, allowed, features, runner)
     assert torch.equal(got, logits.masked_fill(~allowed, float("-inf")).argmax(-1))
     assert not torch.equal(got, ids)  # (the forbidden rows took another id)
+    some = torch.randperm(logits.shape[1], generator=generator)[:100].sort().values
+    assert torch.equal(runner.head_logits_at(features, some), logits[:, some])  # (the same bits)
 
 
 @pytest.mark.parametrize("drafter", ["model", "eagle", "hybrid", "prompt_lookup"])
