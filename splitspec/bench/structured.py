@@ -2,7 +2,8 @@
 server's default side by side (greedy), on held-out schemas made here (``schemas``: seeded, none from a training
 set): how many answers are valid for their schema, whether speculation changed any, the speed ratio, and the
 grammar's mask time per verify pass against the target's step. The same through gRPC (``run_grpc``). Then the neighbours (``neighbours``): plain
-streams beside one constrained stream, against the same streams beside one plain stream, through gRPC.
+streams beside one constrained stream, against the same streams beside one plain stream (and one plain stream with
+k = 3 drafts), through gRPC.
 """
 
 from __future__ import annotations
@@ -160,28 +161,34 @@ def mask_cost(json_schemas: list[dict], answers: list[str], tokenizer_dir: str) 
             "passes": len(times)}
 
 
+# the neighbours' fourth stream, as long as the constrained answer: plain (the server default: the gate serves it
+# without a drafter, as its drafts do not pay), constrained by the schema (the server default), and plain with k = 3
+# EAGLE drafts at every step (a request whose drafts fill its passes: the load a speculating request brings)
+NEIGHBOURS = {"plain": {}, "constrained": {}, "speculating": dict(speculate=True, drafter="eagle", num_draft_tokens=3)}
+
+
 def neighbours(client, prompts: list[str], schema: dict, *, plain: int = 3, requests: int = 12, rounds: int = 4,
-               max_new_tokens: int = 48, policy: dict | None = None) -> dict:
-    """``plain`` closed-loop streams (the server default, greedy) while one more stream loops beside them, that one
-    constrained by ``schema`` or not (as long), alternating ``rounds`` times (ABBA): the plain streams' time per output token (p50,
-    ms) with each neighbour, and their ratio (constrained / plain neighbour: > 1 is the slowdown a constrained
-    request causes its neighbours beyond the load of any request)."""
+               max_new_tokens: int = 48) -> dict:
+    """``plain`` closed-loop streams (the server default, greedy) while one more stream loops beside them, of each
+    kind in ``NEIGHBOURS`` in turn (ABC CBA, ``rounds`` times: a drift of the machine's speed weighs on every kind
+    alike): the plain streams' time per output token (p50, ms) beside each, and its ratio to the plain neighbour's
+    (``slowdown``: constrained / plain, > 1 is what a constrained request costs its neighbours beyond the load of a
+    request served without drafts; ``speculating``: the same for a plain request with k = 3 drafts). Each neighbour's
+    work (requests, tokens, verify steps, draft tokens) is reported beside."""
     from splitspec.bench import load
 
-    tpot: dict[str, list[float]] = {"plain": [], "constrained": []}
-    # what each kind of neighbour asked of the verifier: requests, tokens, verify steps, draft rows, seconds
+    tpot: dict[str, list[float]] = {kind: [] for kind in NEIGHBOURS}
     work = {kind: dict(requests=0, tokens=0, steps=0, drafted=0, seconds=0.0) for kind in tpot}
     question = [("user", "Describe a book as JSON.")]
-    # the plain neighbour answers as many tokens as the constrained one (greedy: the same answer each time), so that
-    # both start requests (prefills) as often
+    # the plain neighbours answer as many tokens as the constrained one (greedy: the same answer each time), so that
+    # they start requests (prefills) as often where they go as fast
     length = len(client.generate(messages=question, max_new_tokens=max_new_tokens, json_schema=json.dumps(schema)).token_ids)
     segments = []  # (kind, p50 ms) in the order run
     for round_ in range(rounds):
-        # ABBA: a drift of the machine's speed over the run weighs on both kinds alike
-        for kind in ("plain", "constrained")[:: 1 if round_ % 2 == 0 else -1]:
+        for kind in list(NEIGHBOURS)[:: 1 if round_ % 2 == 0 else -1]:
             done = threading.Event()
             asks = (dict(json_schema=json.dumps(schema), max_new_tokens=max_new_tokens) if kind == "constrained"
-                    else dict(max_new_tokens=length)) | (policy or {})
+                    else dict(max_new_tokens=length)) | NEIGHBOURS[kind]
 
             def neighbour(asks=asks, done=done, mine=work[kind]):
                 while not done.is_set():
@@ -196,7 +203,7 @@ def neighbours(client, prompts: list[str], schema: dict, *, plain: int = 3, requ
             thread = threading.Thread(target=neighbour, daemon=True)
             thread.start()
             outcomes, seconds = load.closed_loop(client, prompts, {}, concurrency=plain, num_requests=requests,
-                                           max_new_tokens=max_new_tokens)
+                                                 max_new_tokens=max_new_tokens)
             done.set()
             thread.join()
             work[kind]["seconds"] += seconds
@@ -207,4 +214,5 @@ def neighbours(client, prompts: list[str], schema: dict, *, plain: int = 3, requ
     return {"plain_streams": plain, "requests_per_round": requests, "rounds": rounds,
             "tpot_p50_ms": {k: round(v, 2) for k, v in p50.items()},
             "slowdown": round(p50["constrained"] / p50["plain"], 3),
+            "speculating": round(p50["speculating"] / p50["plain"], 3),
             "segments": segments, "neighbour": {kind: {**w, "seconds": round(w["seconds"], 1)} for kind, w in work.items()}}
