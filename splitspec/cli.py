@@ -97,7 +97,8 @@ def cmd_bench_structured(args) -> int:
                   f"{report['grpc']['speedup_server_default']:.2f}x ({report['grpc']['tok_s']})")
             if args.neighbours:
                 report["neighbours"] = structured.neighbours(client, bench_grpc.prompts_of("held_out")[:8],
-                                                             structured.schemas(1)[0][1], plain=args.neighbours)
+                                                             structured.schemas(1)[0][1], plain=args.neighbours,
+                                                             speculation_off=args.neighbours_speculation_off)
                 print(f"plain streams beside a constrained one / beside a plain one, time per token p50: "
                       f"{report['neighbours']['slowdown']:.3f}x (beside a plain one with k = 3 drafts: "
                       f"{report['neighbours']['speculating']:.3f}x; {report['neighbours']['tpot_p50_ms']} ms)")
@@ -740,6 +741,8 @@ def build_parser() -> argparse.ArgumentParser:
     structured_cmd.add_argument("--schemas", type=int, default=50, help="held-out schemas (made here, seeded)")
     structured_cmd.add_argument("--neighbours", type=int, default=3, help="plain streams beside one constrained "
                                 "stream vs beside one plain stream (0: skip)")
+    structured_cmd.add_argument("--neighbours-speculation-off", action="store_true", help="every neighbour without "
+                                "drafts (the same work): what being constrained costs the plain streams")
     structured_cmd.set_defaults(fn=cmd_bench_structured, max_new_tokens=160)
     load = bench.add_parser("load", help="throughput and latency percentiles under concurrent streams (closed and open loop)")
     _service_args(load, prompts=16)

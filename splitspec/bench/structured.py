@@ -168,13 +168,14 @@ NEIGHBOURS = {"plain": {}, "constrained": {}, "speculating": dict(speculate=True
 
 
 def neighbours(client, prompts: list[str], schema: dict, *, plain: int = 3, requests: int = 12, rounds: int = 4,
-               max_new_tokens: int = 48) -> dict:
+               max_new_tokens: int = 48, speculation_off: bool = False) -> dict:
     """``plain`` closed-loop streams (the server default, greedy) while one more stream loops beside them, of each
     kind in ``NEIGHBOURS`` in turn (ABC CBA, ``rounds`` times: a drift of the machine's speed weighs on every kind
     alike): the plain streams' time per output token (p50, ms) beside each, and its ratio to the plain neighbour's
     (``slowdown``: constrained / plain, > 1 is what a constrained request costs its neighbours beyond the load of a
     request served without drafts; ``speculating``: the same for a plain request with k = 3 drafts). Each neighbour's
-    work (requests, tokens, verify steps, draft tokens) is reported beside."""
+    work (requests, tokens, verify steps, draft tokens) is reported beside. ``speculation_off``: every neighbour
+    without drafts, so that they do the same work (one token a step, as many steps): what being constrained costs."""
     from splitspec.bench import load
 
     tpot: dict[str, list[float]] = {kind: [] for kind in NEIGHBOURS}
@@ -188,7 +189,7 @@ def neighbours(client, prompts: list[str], schema: dict, *, plain: int = 3, requ
         for kind in list(NEIGHBOURS)[:: 1 if round_ % 2 == 0 else -1]:
             done = threading.Event()
             asks = (dict(json_schema=json.dumps(schema), max_new_tokens=max_new_tokens) if kind == "constrained"
-                    else dict(max_new_tokens=length)) | NEIGHBOURS[kind]
+                    else dict(max_new_tokens=length)) | NEIGHBOURS[kind] | ({"speculate": False} if speculation_off else {})
 
             def neighbour(asks=asks, done=done, mine=work[kind]):
                 while not done.is_set():
@@ -211,7 +212,7 @@ def neighbours(client, prompts: list[str], schema: dict, *, plain: int = 3, requ
             tpot[kind] += these
             segments.append((kind, round(statistics.median(these) * 1000, 2)))
     p50 = {kind: statistics.median(values) * 1000 for kind, values in tpot.items()}
-    return {"plain_streams": plain, "requests_per_round": requests, "rounds": rounds,
+    return {"plain_streams": plain, "requests_per_round": requests, "rounds": rounds, "speculation_off": speculation_off,
             "tpot_p50_ms": {k: round(v, 2) for k, v in p50.items()},
             "slowdown": round(p50["constrained"] / p50["plain"], 3),
             "speculating": round(p50["speculating"] / p50["plain"], 3),
