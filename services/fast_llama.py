@@ -195,7 +195,9 @@ class FastLlamaRunner:
     """Forward passes of a Llama model against ``DenseKVCache``s (same interface as ``ModelRunner``)."""
 
     supports_trees = True  # forward_batch takes draft trees (services.tree)
-    screens_masked_rows = True  # a constrained greedy row may take ``argmax``, then ``head_logits`` where it is forbidden
+    # a constrained greedy row may take ``argmax``, then, where the grammar forbids it, its allowed ids' logits
+    # (``head_logits_at``, where they are few) or ``head_logits`` (services.constraint.masked_argmax)
+    screens_masked_rows = True
     fused = True  # short chunks through kernels.decoder_layers where it is built (False: the Python loop, same bits)
 
     def __init__(self, loaded, *, kept_ids: torch.Tensor | None = None, weight_storage: torch.dtype | None = None):
