@@ -104,15 +104,16 @@ def masked_argmax(ids: torch.Tensor, allowed: torch.Tensor | None, features: tor
     cheaper than the logits): a row whose argmax the grammar allows (``allowed`` [n, V] bool) keeps it (the masked
     argmax is then the same id); a row whose grammar allows one id takes it; the others take the argmax of their
     allowed ids' logits (the runner's ``head_logits_at(features [1, hidden], ids [a] ascending) -> [1, a]``, the bits
-    of the full head's) where they are few, of the masked ``head_logits`` [1, V] elsewhere. Ties go to the lowest id, as ``argmax`` of the masked
-    logits gives them. A pass over a constrained greedy session costs its neighbours no full logits where the
-    grammar agrees with the model or leaves it a few ids."""
+    of the full head's) where they are few, of their masked ``head_logits`` [m, V], in one call, elsewhere. Ties go to
+    the lowest id, as ``argmax`` of the masked logits gives them. A pass over a constrained greedy session costs its
+    neighbours no full logits where the grammar agrees with the model or leaves it a few ids."""
     if allowed is None:
         return ids
     forbidden = ~allowed[torch.arange(ids.shape[0]), ids]  # [n]
     if not bool(forbidden.any()):
         return ids
     ids = ids.clone()
+    many = []  # forbidden rows whose grammar allows more than FEW_ALLOWED ids: one head call for them all
     for row in forbidden.nonzero().flatten().tolist():
         allowed_ids = allowed[row].nonzero().flatten()  # [a] ascending
         if allowed_ids.numel() == 1:
@@ -120,7 +121,9 @@ def masked_argmax(ids: torch.Tensor, allowed: torch.Tensor | None, features: tor
         elif allowed_ids.numel() <= FEW_ALLOWED:
             ids[row] = allowed_ids[runner.head_logits_at(features[row:row + 1], allowed_ids)[0].argmax()]
         else:
-            ids[row] = mask_logits(runner.head_logits(features[row:row + 1]), allowed[row:row + 1]).argmax(-1)[0]
+            many.append(row)
+    if many:
+        ids[many] = mask_logits(runner.head_logits(features[many]), allowed[many]).argmax(-1)
     return ids
 
 
