@@ -1,9 +1,9 @@
 """`splitspec bench structured`: structured outputs through the real `openai` client, speculation off against the
 server's default side by side (greedy), on held-out schemas made here (``schemas``: seeded, none from a training
 set): how many answers are valid for their schema, whether speculation changed any, the speed ratio, and the
-grammar's mask time per verify pass against the target's step. The same through gRPC (``run_grpc``). Then the neighbours (``neighbours``): plain
-streams beside one constrained stream, against the same streams beside one plain stream (and one plain stream with
-k = 3 drafts), through gRPC.
+grammar's mask time per verify pass against the target's step. The same through gRPC (``run_grpc``). Then the
+neighbours (``neighbours``): plain streams beside one constrained stream, against the same streams beside one plain
+stream (and one plain stream with k = 3 drafts), through gRPC.
 """
 
 from __future__ import annotations
@@ -54,8 +54,18 @@ def schemas(n: int, seed: int = 0) -> list[tuple[str, dict]]:
     return out
 
 
-def run(base_url: str, model: str, *, n: int, max_tokens: int, tokenizer_dir: str) -> dict:
+def schema_valid(text: str, schema: dict) -> bool:
+    """``text`` is JSON that ``schema`` accepts."""
     import jsonschema
+
+    try:
+        jsonschema.validate(json.loads(text), schema)
+    except (ValueError, jsonschema.ValidationError):
+        return False
+    return True
+
+
+def run(base_url: str, model: str, *, n: int, max_tokens: int, tokenizer_dir: str) -> dict:
     import openai
 
     policies = {"off": {"mode": "off"}, "server default": {"mode": "default"}}
@@ -75,13 +85,8 @@ def run(base_url: str, model: str, *, n: int, max_tokens: int, tokenizer_dir: st
                 seconds[name] += time.perf_counter() - start
                 tokens[name] += answer.usage.completion_tokens
                 text = answer.choices[0].message.content
-                try:
-                    jsonschema.validate(json.loads(text), schema)
-                    valid = True
-                except (ValueError, jsonschema.ValidationError):
-                    valid = False
                 row["answers"][name] = {"text": text, "finish_reason": answer.choices[0].finish_reason,
-                                        "valid": valid, "tokens": answer.usage.completion_tokens,
+                                        "valid": schema_valid(text, schema), "tokens": answer.usage.completion_tokens,
                                         "speculation_stats": answer.model_extra.get("speculation_stats")}
             row["identical"] = len({a["text"] for a in row["answers"].values()}) == 1
             rows.append(row)
@@ -106,8 +111,6 @@ def run(base_url: str, model: str, *, n: int, max_tokens: int, tokenizer_dir: st
 def run_grpc(client, *, n: int, max_tokens: int) -> dict:
     """The same schemas through gRPC (``json_schema``, greedy), speculation off against the server default side by
     side: valid answers, answers identical to the openai client's, and the speed ratio."""
-    import jsonschema
-
     policies = {"off": False, "server default": None}  # (SpecDecodeClient's speculate)
     seconds = {p: 0.0 for p in policies}
     tokens = {p: 0 for p in policies}
@@ -122,11 +125,7 @@ def run_grpc(client, *, n: int, max_tokens: int) -> dict:
             seconds[name] += time.perf_counter() - start
             tokens[name] += response.usage.completion_tokens
             answers[name] = response.text
-            try:
-                jsonschema.validate(json.loads(response.text), schema)
-                valid[name] += 1
-            except (ValueError, jsonschema.ValidationError):
-                pass
+            valid[name] += schema_valid(response.text, schema)
         texts.append(answers)
     tok_s = {p: tokens[p] / seconds[p] for p in policies}
     return {"valid": valid, "identical": sum(len(set(a.values())) == 1 for a in texts),
@@ -189,7 +188,9 @@ def neighbours(client, prompts: list[str], schema: dict, *, plain: int = 3, requ
         for kind in list(NEIGHBOURS)[:: 1 if round_ % 2 == 0 else -1]:
             done = threading.Event()
             asks = (dict(json_schema=json.dumps(schema), max_new_tokens=max_new_tokens) if kind == "constrained"
-                    else dict(max_new_tokens=length)) | NEIGHBOURS[kind] | ({"speculate": False} if speculation_off else {})
+                    else dict(max_new_tokens=length)) | NEIGHBOURS[kind]
+            if speculation_off:
+                asks["speculate"] = False
 
             def neighbour(asks=asks, done=done, mine=work[kind]):
                 while not done.is_set():
@@ -212,8 +213,10 @@ def neighbours(client, prompts: list[str], schema: dict, *, plain: int = 3, requ
             tpot[kind] += these
             segments.append((kind, round(statistics.median(these) * 1000, 2)))
     p50 = {kind: statistics.median(values) * 1000 for kind, values in tpot.items()}
-    return {"plain_streams": plain, "requests_per_round": requests, "rounds": rounds, "speculation_off": speculation_off,
+    return {"plain_streams": plain, "requests_per_round": requests, "rounds": rounds,
+            "speculation_off": speculation_off,
             "tpot_p50_ms": {k: round(v, 2) for k, v in p50.items()},
             "slowdown": round(p50["constrained"] / p50["plain"], 3),
             "speculating": round(p50["speculating"] / p50["plain"], 3),
-            "segments": segments, "neighbour": {kind: {**w, "seconds": round(w["seconds"], 1)} for kind, w in work.items()}}
+            "segments": segments,
+            "neighbour": {kind: {**w, "seconds": round(w["seconds"], 1)} for kind, w in work.items()}}
